@@ -1,0 +1,59 @@
+"""tensormp: ``multiprocessing`` whose queues, pipes, pools and processes move arrays
+through shared memory instead of pickling their bytes.
+
+``import tensormp as mp`` replaces ``import multiprocessing``: every name of
+``multiprocessing.__all__`` is here and behaves as the stdlib's, except that numpy arrays (and,
+with torch installed, tensors) travel as small handles to shared memory. See the README.
+
+Pickle is a trusted channel, as in the stdlib: never receive from a process you do not trust.
+"""
+
+from __future__ import annotations
+
+import sys
+
+if not sys.platform.startswith("linux"):  # pragma: no cover - platform gate
+    if sys.platform == "win32":
+        raise ImportError(
+            "tensormp needs Linux (it passes file descriptors over Unix sockets and uses "
+            "memfd_create); Windows is not supported. Use WSL2, or the stdlib multiprocessing."
+        )
+
+import multiprocessing as _mp
+
+from . import reducers as _reducers  # noqa: F401  (registers reducers)
+from .arrays import (
+    empty,
+    empty_like,
+    full,
+    full_like,
+    is_shared,
+    ones,
+    ones_like,
+    share,
+    zeros,
+    zeros_like,
+)
+from .connection import Connection
+from .context import _default_context, get_context
+from .errors import HandleError, SharedMemoryError, TensormpError
+from .memory import empty_cache, get_cache_limit, memory_stats, set_cache_limit
+from .reducers import numpy as _numpy_reducers  # noqa: F401
+from .strategies import get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy
+
+__version__ = "0.1.0"
+
+_STDLIB_NAMES = [name for name in _mp.__all__ if name != "get_context"]
+globals().update((name, getattr(_default_context, name)) for name in _STDLIB_NAMES)
+
+__all__ = sorted(
+    set(_STDLIB_NAMES)
+    | {
+        "get_context",
+        "share", "is_shared", "empty", "zeros", "ones", "full",
+        "empty_like", "zeros_like", "ones_like", "full_like",
+        "get_all_sharing_strategies", "get_sharing_strategy", "set_sharing_strategy",
+        "memory_stats", "empty_cache", "set_cache_limit", "get_cache_limit",
+        "Connection", "TensormpError", "SharedMemoryError", "HandleError",
+    }
+)

@@ -1,0 +1,165 @@
+"""Arrays in shared memory: ``share``, ``is_shared`` and allocation (numpy signatures)."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from numpy.typing import DTypeLike
+
+from . import memory
+from .memory.allocator import find_block
+from .reducers.numpy import copy_to_shared
+
+__all__ = [
+    "share", "is_shared", "empty", "zeros", "ones", "full",
+    "empty_like", "zeros_like", "ones_like", "full_like",
+]
+
+ShapeLike = int | Sequence[int]
+
+
+def _check_array(a: Any, what: str) -> np.ndarray:
+    if not isinstance(a, np.ndarray):
+        raise TypeError(
+            f"{what}() takes a numpy.ndarray, got {type(a).__module__}.{type(a).__qualname__}; "
+            "convert it with numpy.asarray() first"
+        )
+    return a
+
+
+def is_shared(a: np.ndarray) -> bool:
+    """True when ``a``'s memory is tensormp shared memory (it crosses processes as a handle).
+
+    True for arrays from :func:`empty`/:func:`zeros`/..., :func:`share`, arrays received from
+    another process, and any view of those. Like ``torch.Tensor.is_shared``.
+
+    Raises:
+        TypeError: ``a`` is not a ``numpy.ndarray``.
+    """
+    return find_block(_check_array(a, "is_shared")) is not None
+
+
+def share(a: np.ndarray) -> np.ndarray:
+    """``a`` in shared memory: ``a`` itself if already shared, else a shared copy.
+
+    A numpy array cannot be moved in place (torch's ``share_memory_()`` can), so a non-shared
+    array costs one copy of ``a.nbytes`` bytes; keep using the returned array. C or Fortran
+    order is kept; other layouts become C-contiguous. Read-only stays read-only.
+
+    Raises:
+        TypeError: ``a`` is not an ndarray, or its dtype holds Python objects.
+        SharedMemoryError: the memory could not be reserved (an ``OSError``).
+    """
+    _check_array(a, "share")
+    if a.dtype.hasobject:
+        raise TypeError(
+            f"cannot share an array of dtype {a.dtype}: it holds Python object pointers, which "
+            "mean nothing in another process; it is pickled by value when sent instead"
+        )
+    if find_block(a) is not None:
+        return a
+    out, _root = copy_to_shared(a)
+    if not a.flags.writeable:
+        out.flags.writeable = False
+    return out
+
+
+def _shape(shape: ShapeLike) -> tuple[int, ...]:
+    try:
+        dims = (operator.index(shape),)  # type: ignore[arg-type]
+    except TypeError:
+        try:
+            dims = tuple(operator.index(d) for d in shape)  # type: ignore[union-attr]
+        except TypeError:
+            raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
+    if any(d < 0 for d in dims):
+        raise ValueError(f"negative dimensions are not allowed (shape {dims})")
+    return dims
+
+
+def empty(shape: ShapeLike, dtype: DTypeLike = float, order: str = "C") -> np.ndarray:
+    """A new array in shared memory, contents undefined (as ``numpy.empty``).
+
+    Args:
+        shape: dimensions (int or sequence of ints).
+        dtype: any numpy dtype without Python objects (default float64).
+        order: ``"C"`` (row-major) or ``"F"`` (column-major).
+
+    Returns:
+        An ndarray of ``prod(shape) * dtype.itemsize`` bytes whose memory crosses processes as a
+        handle. Small arrays share one segment (one fd, one mapping).
+
+    Raises:
+        TypeError: bad shape, or a dtype holding Python objects.
+        ValueError: negative dimension or bad ``order``.
+        SharedMemoryError: the bytes could not be reserved (an ``OSError``, ``ENOSPC``/``ENOMEM``).
+    """
+    dims = _shape(shape)
+    dt = np.dtype(dtype)
+    if dt.hasobject:
+        raise TypeError(f"cannot allocate dtype {dt} in shared memory: it holds Python objects")
+    if order not in ("C", "F"):
+        raise ValueError(f"order must be 'C' or 'F', got {order!r}")
+    nbytes = dt.itemsize
+    for d in dims:
+        nbytes *= d
+    root = memory.allocate(nbytes)
+    return np.ndarray(dims, dt, buffer=root, order=order)
+
+
+def zeros(shape: ShapeLike, dtype: DTypeLike = float, order: str = "C") -> np.ndarray:
+    """A new shared array of zeros (as ``numpy.zeros``); see :func:`empty` for errors."""
+    a = empty(shape, dtype, order)
+    a.fill(0)
+    return a
+
+
+def ones(shape: ShapeLike, dtype: DTypeLike = float, order: str = "C") -> np.ndarray:
+    """A new shared array of ones (as ``numpy.ones``); see :func:`empty` for errors."""
+    a = empty(shape, dtype, order)
+    a.fill(1)
+    return a
+
+
+def full(
+    shape: ShapeLike, fill_value: Any, dtype: DTypeLike | None = None, order: str = "C"
+) -> np.ndarray:
+    """A new shared array filled with ``fill_value`` (as ``numpy.full``); dtype defaults to
+    ``numpy.array(fill_value).dtype``. See :func:`empty` for errors."""
+    if dtype is None:
+        dtype = np.array(fill_value).dtype
+    a = empty(shape, dtype, order)
+    a[...] = fill_value
+    return a
+
+
+def _like(a: Any, dtype: DTypeLike | None, shape: ShapeLike | None) -> tuple[Any, Any, str]:
+    a = np.asanyarray(a)
+    order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
+    return (a.shape if shape is None else shape), (a.dtype if dtype is None else dtype), order
+
+
+def empty_like(a: Any, dtype: DTypeLike | None = None, shape: ShapeLike | None = None) -> np.ndarray:
+    """:func:`empty` with ``a``'s shape, dtype and C/F order (as ``numpy.empty_like``)."""
+    return empty(*_like(a, dtype, shape))
+
+
+def zeros_like(a: Any, dtype: DTypeLike | None = None, shape: ShapeLike | None = None) -> np.ndarray:
+    """:func:`zeros` with ``a``'s shape, dtype and C/F order (as ``numpy.zeros_like``)."""
+    return zeros(*_like(a, dtype, shape))
+
+
+def ones_like(a: Any, dtype: DTypeLike | None = None, shape: ShapeLike | None = None) -> np.ndarray:
+    """:func:`ones` with ``a``'s shape, dtype and C/F order (as ``numpy.ones_like``)."""
+    return ones(*_like(a, dtype, shape))
+
+
+def full_like(
+    a: Any, fill_value: Any, dtype: DTypeLike | None = None, shape: ShapeLike | None = None
+) -> np.ndarray:
+    """:func:`full` with ``a``'s shape, dtype and C/F order (as ``numpy.full_like``)."""
+    shp, dt, order = _like(a, dtype, shape)
+    return full(shp, fill_value, dt, order)

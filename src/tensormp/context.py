@@ -1,0 +1,190 @@
+"""Contexts per start method (fork, spawn, forkserver) and the processes they start.
+
+Each tensormp context is the stdlib context of the same start method with tensormp's queues,
+pipes and processes swapped in; everything else (locks, managers, ``Pool``...) is the
+stdlib's, built on those. ``Pool`` therefore moves arrays through shared memory too: the
+stdlib pool talks to its workers through ``ctx.SimpleQueue``.
+
+Process arguments
+-----------------
+* ``spawn``/``forkserver``: the stdlib pickles the ``Process`` object for the child with the
+  global pickler while a "spawning popen" is set. tensormp's ``Process.__reduce__`` pickles the
+  object's state with tensormp's reducers instead and hands every fd of the message to the
+  start method (``popen.duplicate_for_child``), which passes it to the child at exec
+  (``spawn``) or over the fork server's socket (``forkserver``). The child rebuilds the arrays
+  from those fds. Copies made for non-shared arguments are kept alive by the parent until
+  ``start()`` returns; from then on the child holds its own fd and mapping.
+* ``fork``: nothing is pickled (stdlib semantics). The child inherits the parent's mappings:
+  a shared array stays shared (writes visible both ways); a non-shared array is the usual
+  copy-on-write private copy.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from multiprocessing import context as _mpctx
+from typing import Any
+
+from . import reducers
+
+__all__ = ["Process", "DefaultContext", "get_context"]
+
+
+class _ProcessMixin:
+    """Pickles a process's state with tensormp's reducers when a start method needs it."""
+
+    def __reduce__(self) -> Any:
+        popen = _mpctx.get_spawning_popen()
+        if popen is None:
+            raise TypeError(
+                f"{type(self).__name__} objects can only be pickled by a start method while "
+                "starting the process; pass the process's target and arguments instead"
+            )
+        msg = reducers.dumps(dict(self.__dict__))
+        fds = [popen.DupFd(popen.duplicate_for_child(fd)) for fd in msg.fds]
+        self.__dict__["_tensormp_keepalive"] = msg.keepalive
+        return _rebuild_process, (type(self), msg.data, fds)
+
+    def start(self) -> None:
+        try:
+            super().start()  # type: ignore[misc]
+        finally:
+            self.__dict__.pop("_tensormp_keepalive", None)
+
+
+def _rebuild_process(cls: type, data: bytes, fds: list[Any]) -> Any:
+    state = reducers.loads(data, [fd.detach() for fd in fds])
+    obj = cls.__new__(cls)
+    obj.__dict__.update(state)
+    return obj
+
+
+class ForkProcess(_ProcessMixin, _mpctx.ForkProcess):
+    """``multiprocessing.context.ForkProcess`` with tensormp transfer."""
+
+
+class SpawnProcess(_ProcessMixin, _mpctx.SpawnProcess):
+    """``multiprocessing.context.SpawnProcess`` with tensormp transfer."""
+
+
+class ForkServerProcess(_ProcessMixin, _mpctx.ForkServerProcess):
+    """``multiprocessing.context.ForkServerProcess`` with tensormp transfer."""
+
+
+class Process(_ProcessMixin, _mpctx.Process):
+    """``multiprocessing.Process`` using tensormp's default start method and transfer.
+
+    Arguments that are numpy arrays reach the child as shared memory under ``spawn`` and
+    ``forkserver`` (see the module notes for ``fork``).
+    """
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        return _default_context.get_context().Process._Popen(process_obj)
+
+    @staticmethod
+    def _after_fork() -> Any:
+        return _default_context.get_context().Process._after_fork()
+
+
+class _ContextMixin:
+    """tensormp's queues and pipes on top of a stdlib context."""
+
+    def Queue(self, maxsize: int = 0) -> Any:
+        """A :class:`tensormp.queues.Queue` (arrays travel as shared memory)."""
+        from .queues import Queue
+
+        return Queue(maxsize, ctx=self.get_context())  # type: ignore[attr-defined]
+
+    def JoinableQueue(self, maxsize: int = 0) -> Any:
+        """A :class:`tensormp.queues.JoinableQueue` (arrays travel as shared memory)."""
+        from .queues import JoinableQueue
+
+        return JoinableQueue(maxsize, ctx=self.get_context())  # type: ignore[attr-defined]
+
+    def SimpleQueue(self) -> Any:
+        """A :class:`tensormp.queues.SimpleQueue` (arrays travel as shared memory)."""
+        from .queues import SimpleQueue
+
+        return SimpleQueue(ctx=self.get_context())  # type: ignore[attr-defined]
+
+    def Pipe(self, duplex: bool = True) -> Any:
+        """Two :class:`tensormp.connection.Connection` ends (Unix sockets that carry fds)."""
+        from .connection import Pipe
+
+        return Pipe(duplex)
+
+
+class _ForkContext(_ContextMixin, _mpctx.ForkContext):
+    Process = ForkProcess
+
+
+class _SpawnContext(_ContextMixin, _mpctx.SpawnContext):
+    Process = SpawnProcess
+
+
+class _ForkServerContext(_ContextMixin, _mpctx.ForkServerContext):
+    Process = ForkServerProcess
+
+
+_concrete_contexts: dict[str, Any] = {
+    "fork": _ForkContext(),
+    "spawn": _SpawnContext(),
+    "forkserver": _ForkServerContext(),
+}
+
+
+class DefaultContext(_ContextMixin, _mpctx.DefaultContext):
+    """tensormp's module-level context: follows the stdlib's start method until one is set."""
+
+    Process = Process
+
+    def __init__(self) -> None:
+        super().__init__(None)
+
+    def get_context(self, method: str | None = None) -> Any:
+        if method is None:
+            if self._actual_context is None:
+                self._actual_context = _concrete_contexts[_stdlib_start_method()]
+            return self._actual_context
+        try:
+            return _concrete_contexts[method]
+        except KeyError:
+            raise ValueError(
+                f"cannot find context for {method!r}; choose one of "
+                f"{sorted(_concrete_contexts)}"
+            ) from None
+
+    def set_start_method(self, method: str | None, force: bool = False) -> None:
+        if self._actual_context is not None and not force:
+            raise RuntimeError("context has already been set")
+        if method is None and force:
+            self._actual_context = None
+            return
+        self._actual_context = self.get_context(method)
+
+    def get_start_method(self, allow_none: bool = False) -> str | None:
+        if self._actual_context is None:
+            if allow_none:
+                return None
+            self._actual_context = _concrete_contexts[_stdlib_start_method()]
+        return self._actual_context._name  # type: ignore[no-any-return]
+
+    def get_all_start_methods(self) -> list[str]:
+        return multiprocessing.get_all_start_methods()
+
+
+def _stdlib_start_method() -> str:
+    return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+
+
+_default_context = DefaultContext()
+
+
+def get_context(method: str | None = None) -> Any:
+    """The tensormp context for ``method`` (``"fork"``, ``"spawn"``, ``"forkserver"``).
+
+    Raises:
+        ValueError: unknown start method.
+    """
+    return _default_context.get_context(method)

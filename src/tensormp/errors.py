@@ -1,0 +1,35 @@
+"""The tensormp exception hierarchy.
+
+Every tensormp error derives from :class:`TensormpError` and also from the stdlib type
+that users already catch for that failure (``OSError`` for resources, ``ValueError`` or
+``TypeError`` for bad arguments), so ``except OSError`` keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TensormpError",
+    "SharedMemoryError",
+    "HandleError",
+]
+
+
+class TensormpError(Exception):
+    """Base class of every exception raised by tensormp."""
+
+
+class SharedMemoryError(TensormpError, OSError):
+    """Shared memory could not be reserved, mapped or reached.
+
+    Raised at allocation time, in the calling thread, never later as a ``SIGBUS``.
+    ``errno`` is set (``ENOSPC`` or ``ENOMEM`` when memory runs out).
+    """
+
+
+class HandleError(TensormpError, RuntimeError):
+    """A shared-memory handle could not be rebuilt into an array.
+
+    For example, a tensormp pickle was loaded with plain :func:`pickle.loads` instead of
+    arriving through a tensormp queue, pipe or process argument, so the file descriptors
+    that travel beside the bytes are missing.
+    """

@@ -1,0 +1,160 @@
+"""Segments: one ``memfd`` (an anonymous shared-memory file) and one mapping of it.
+
+Protocol and ownership
+----------------------
+* A segment is created by exactly one process, its *creator*, with ``memfd_create``. The
+  creator reserves every byte up front with ``posix_fallocate``, so running out of memory is an
+  ``OSError`` (``ENOSPC``/``ENOMEM``) in the caller at allocation time and never a ``SIGBUS`` on a
+  later page fault.
+* A segment has a 16-byte random identity (``Segment.id``) that travels in every handle. Each
+  process keeps at most one :class:`Segment` object per identity (the registry in
+  ``allocator.py``): one fd and one mapping, whatever the number of arrays it holds in it.
+* Another process gets the segment as an fd carried by the message itself (``SCM_RIGHTS`` on
+  a Unix socket, or the fd inheritance of a process start), never by name. So there is no
+  name to leak: the kernel frees the memory when the last fd and the last mapping are gone, in
+  whatever order processes exit, ``kill -9`` included.
+* Closing a segment closes its fd and drops this process's reference to the mapping; the
+  ``mmap`` object unmaps when the last array exporting its buffer is gone, so an array can
+  never outlive its mapping. The allocator closes a segment only when its last root is dead.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import sys
+
+from ..errors import SharedMemoryError
+
+__all__ = ["Segment", "format_bytes"]
+
+PAGE_SIZE = mmap.PAGESIZE
+
+# Python's mmap keeps a dup() of the fd it maps unless told not to (trackfd, Python 3.13+);
+# where it cannot be told, a segment costs two fds instead of one.
+_MMAP_KW = {"trackfd": False} if sys.version_info >= (3, 13) else {}
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``'1.5 KiB'``: sizes in error messages and reprs."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def available_memory() -> int | None:
+    """Bytes of memory a new memfd can still take: ``MemAvailable``, capped by the cgroup."""
+    avail = None
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max", "rb") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current", "rb") as f:
+            current = int(f.read())
+        if limit != b"max":
+            room = max(0, int(limit) - current)
+            avail = room if avail is None else min(avail, room)
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+class Segment:
+    """One shared-memory segment as seen by this process: an fd and one mapping.
+
+    Attributes:
+        id: 16 random bytes naming the segment in every process.
+        fd: the fd of the memfd in this process (sent along with handles).
+        size: length in bytes (a multiple of the page size).
+        creator_pid: pid of the process that created it.
+        buffer: the ``mmap`` object; arrays are views of it.
+    """
+
+    __slots__ = ("id", "fd", "size", "creator_pid", "buffer", "kind", "roots", "__weakref__")
+
+    def __init__(self, seg_id: bytes, fd: int, size: int, creator_pid: int, kind: str) -> None:
+        self.id = seg_id
+        self.fd = fd
+        self.size = size
+        self.creator_pid = creator_pid
+        self.kind = kind  # "arena" (many small blocks) or "large" (one block)
+        try:
+            self.buffer: mmap.mmap | None = mmap.mmap(fd, size, **_MMAP_KW)
+        except OSError as e:
+            os.close(fd)
+            raise SharedMemoryError(
+                e.errno, f"cannot map a shared-memory segment of {format_bytes(size)}: {e.strerror}"
+            ) from None
+        # block offset -> weakref of the live root array of that block in this process
+        self.roots: dict[int, object] = {}
+
+    @classmethod
+    def create(cls, size: int, kind: str) -> Segment:
+        """Create and reserve a new memfd segment of ``size`` bytes (rounded up to pages).
+
+        Raises:
+            SharedMemoryError: (an ``OSError``) with ``errno`` ``ENOSPC`` or ``ENOMEM`` when the
+                bytes cannot be reserved; the message gives requested and available bytes.
+        """
+        size = max(PAGE_SIZE, -(-size // PAGE_SIZE) * PAGE_SIZE)
+        seg_id = os.urandom(16)
+        try:
+            fd = os.memfd_create("tensormp-" + seg_id.hex(), os.MFD_CLOEXEC)
+        except OSError as e:
+            raise SharedMemoryError(
+                e.errno,
+                f"memfd_create failed ({e.strerror}); tensormp needs Linux >= 3.17 with memfd "
+                "support. Check `python -m tensormp doctor`.",
+            ) from None
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            os.close(fd)
+            avail = available_memory()
+            avail_s = "unknown" if avail is None else format_bytes(avail)
+            code = e.errno if e.errno in (errno.ENOSPC, errno.ENOMEM) else e.errno
+            raise SharedMemoryError(
+                code,
+                f"cannot reserve {format_bytes(size)} of shared memory (memfd) for an array: "
+                f"{e.strerror}; {avail_s} of memory is available to this process. Free memory, "
+                "raise the container's memory limit, or send smaller arrays.",
+            ) from None
+        return cls(seg_id, fd, size, os.getpid(), kind)
+
+    @classmethod
+    def attach(cls, seg_id: bytes, fd: int, size: int, creator_pid: int, kind: str) -> Segment:
+        """Map a segment received from another process; takes ownership of ``fd``."""
+        return cls(seg_id, fd, size, creator_pid, kind)
+
+    def close(self) -> None:
+        """Close the fd and drop the mapping in this process.
+
+        The mapping is not closed explicitly: the root array that was last to die may still
+        hold its buffer export while its weakref callback runs. Dropping our reference lets
+        the ``mmap`` object unmap itself the moment that export is released.
+        """
+        self.buffer = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    @property
+    def closed(self) -> bool:
+        return self.buffer is None
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"fd={self.fd} roots={len(self.roots)}"
+        return (
+            f"<Segment memfd {self.kind} {format_bytes(self.size)} id={self.id.hex()[:8]} "
+            f"creator={self.creator_pid} {state}>"
+        )

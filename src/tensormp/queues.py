@@ -1,0 +1,343 @@
+"""``Queue``, ``JoinableQueue`` and ``SimpleQueue`` that move arrays as shared-memory handles.
+
+Same API and semantics as the stdlib's (``multiprocessing.queues``), with two differences:
+
+* ``put()`` pickles in the calling thread. An object that cannot be pickled or shared raises
+  there, and nothing is half-sent; the stdlib and torch pickle in the feeder thread, print the
+  error from there and leave the consumer blocked forever. It also means the queue captures
+  the object's state at ``put()`` time.
+* The pipe underneath is a Unix socket pair carrying the fds of shared-memory segments beside
+  each message (``connection.py``), so a consumer can rebuild arrays whose producer has exited.
+
+A message in a ``Queue`` (pickled, waiting in the feeder's buffer) keeps the memory it refers
+to alive until the feeder has written it to the socket; from then on the kernel holds the
+fds in flight.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import os
+import sys
+import threading
+import time
+import types
+import weakref
+from multiprocessing import context as _mpctx
+from multiprocessing import util as _mputil
+from queue import Empty, Full
+from typing import Any
+
+from . import reducers
+from .connection import Pipe
+
+__all__ = ["Queue", "JoinableQueue", "SimpleQueue"]
+
+_SEM_VALUE_MAX = 2**31 - 1
+_sentinel = object()
+
+
+class Queue:
+    """A process-shared FIFO queue; see :class:`multiprocessing.Queue`.
+
+    Args:
+        maxsize: maximum number of items (``<= 0``: unbounded).
+        ctx: the tensormp context that makes its locks.
+
+    Raises (from ``put``):
+        queue.Full: no room within ``timeout`` seconds (or at once with ``block=False``).
+        ValueError: the queue is closed.
+        TypeError, pickle.PicklingError: ``obj`` cannot be pickled (raised in the caller).
+    """
+
+    def __init__(self, maxsize: int = 0, *, ctx: Any) -> None:
+        if maxsize <= 0:
+            maxsize = _SEM_VALUE_MAX
+        self._maxsize = maxsize
+        self._reader, self._writer = Pipe(duplex=False)
+        self._rlock = ctx.Lock()
+        self._opid = os.getpid()
+        self._wlock = ctx.Lock()
+        self._sem = ctx.BoundedSemaphore(maxsize)
+        self._ignore_epipe = False
+        self._reset()
+        _mputil.register_after_fork(self, Queue._after_fork)
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        _mpctx.assert_spawning(self)
+        return (
+            self._ignore_epipe, self._maxsize, self._reader, self._writer,
+            self._rlock, self._wlock, self._sem, self._opid,
+        )
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        (
+            self._ignore_epipe, self._maxsize, self._reader, self._writer,
+            self._rlock, self._wlock, self._sem, self._opid,
+        ) = state
+        self._reset()
+
+    def _after_fork(self) -> None:
+        self._reset(after_fork=True)
+
+    def _reset(self, after_fork: bool = False) -> None:
+        if after_fork:
+            self._notempty._at_fork_reinit()  # type: ignore[attr-defined]
+        else:
+            self._notempty = threading.Condition(threading.Lock())
+        self._buffer: collections.deque[Any] = collections.deque()
+        self._thread: threading.Thread | None = None
+        self._jointhread: Any = None
+        self._joincancelled = False
+        self._closed = False
+        self._close: Any = None
+        self._poll = self._reader.poll
+
+    def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
+        """Put ``obj`` on the queue; arrays travel as shared-memory handles."""
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        msg = reducers.dumps(obj)  # errors raise here, in the caller
+        if not self._sem.acquire(block, timeout):
+            raise Full
+        with self._notempty:
+            if self._thread is None:
+                self._start_thread()
+            self._buffer.append(msg)
+            self._notempty.notify()
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        """Remove and return an item; see :meth:`multiprocessing.Queue.get`.
+
+        Raises:
+            queue.Empty: nothing arrived within ``timeout`` seconds (or at once).
+            ValueError: the queue is closed.
+        """
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        if block and timeout is None:
+            with self._rlock:
+                data, fds = self._reader.recv_message()
+            self._sem.release()
+        else:
+            if block:
+                deadline = time.monotonic() + (timeout or 0.0)
+            if not self._rlock.acquire(block, timeout):
+                raise Empty
+            try:
+                if block:
+                    if not self._poll(max(0.0, deadline - time.monotonic())):
+                        raise Empty
+                elif not self._poll():
+                    raise Empty
+                data, fds = self._reader.recv_message()
+                self._sem.release()
+            finally:
+                self._rlock.release()
+        return reducers.loads(data, fds)
+
+    def qsize(self) -> int:
+        return self._maxsize - self._sem._semlock._get_value()  # type: ignore[attr-defined]
+
+    def empty(self) -> bool:
+        return not self._poll()
+
+    def full(self) -> bool:
+        return bool(self._sem._semlock._is_zero())  # type: ignore[attr-defined]
+
+    def get_nowait(self) -> Any:
+        return self.get(False)
+
+    def put_nowait(self, obj: Any) -> None:
+        return self.put(obj, False)
+
+    def close(self) -> None:
+        """No more ``put`` from this process; the feeder flushes the buffer and stops."""
+        self._closed = True
+        close = self._close
+        if close:
+            self._close = None
+            close()
+
+    def join_thread(self) -> None:
+        """Wait for the feeder thread (after :meth:`close`), as the stdlib's."""
+        if not self._closed:
+            raise ValueError(f"Queue {self!r} not closed")
+        if self._jointhread:
+            self._jointhread()
+
+    def cancel_join_thread(self) -> None:
+        self._joincancelled = True
+        try:
+            self._jointhread.cancel()
+        except AttributeError:
+            pass
+
+    def _start_thread(self) -> None:
+        self._thread = threading.Thread(
+            target=Queue._feed,
+            args=(
+                self._buffer, self._notempty, self._writer, self._wlock, self._reader.close,
+                self._writer.close, self._ignore_epipe, self._on_queue_feeder_error, self._sem,
+            ),
+            name="tensormp QueueFeederThread",
+            daemon=True,
+        )
+        try:
+            self._thread.start()
+        except BaseException:
+            self._thread = None
+            raise
+        if not self._joincancelled:
+            self._jointhread = _mputil.Finalize(
+                self._thread, Queue._finalize_join, [weakref.ref(self._thread)], exitpriority=-5
+            )
+        self._close = _mputil.Finalize(
+            self, Queue._finalize_close, [self._buffer, self._notempty], exitpriority=10
+        )
+
+    @staticmethod
+    def _finalize_join(twr: Any) -> None:
+        thread = twr()
+        if thread is not None:
+            thread.join()
+
+    @staticmethod
+    def _finalize_close(buffer: collections.deque[Any], notempty: threading.Condition) -> None:
+        with notempty:
+            buffer.append(_sentinel)
+            notempty.notify()
+
+    @staticmethod
+    def _feed(
+        buffer: collections.deque[Any], notempty: threading.Condition, writer: Any,
+        writelock: Any, reader_close: Any, writer_close: Any, ignore_epipe: bool,
+        onerror: Any, queue_sem: Any,
+    ) -> None:
+        while True:
+            msg: Any = None
+            try:
+                with notempty:
+                    if not buffer:
+                        notempty.wait()
+                try:
+                    while True:
+                        msg = buffer.popleft()
+                        if msg is _sentinel:
+                            reader_close()
+                            writer_close()
+                            return
+                        with writelock:
+                            writer.send_message(msg)
+                        msg = None  # the kernel holds the fds now: drop the keepalive
+                except IndexError:
+                    pass
+            except Exception as e:
+                if ignore_epipe and getattr(e, "errno", 0) == errno.EPIPE:
+                    return
+                if _mputil.is_exiting():
+                    _mputil.info("error in queue thread: %s", e)
+                    return
+                queue_sem.release()
+                onerror(e, msg)
+
+    @staticmethod
+    def _on_queue_feeder_error(e: BaseException, obj: Any) -> None:
+        """Called in the feeder thread when writing a message failed (as the stdlib's)."""
+        import traceback
+
+        print(f"tensormp: failed to send a queued message ({obj!r}):", file=sys.stderr)
+        traceback.print_exception(type(e), e, e.__traceback__)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"buffered={len(self._buffer)}"
+        return f"<tensormp.Queue {state} at {id(self):#x}>"
+
+    __class_getitem__ = classmethod(types.GenericAlias)
+
+
+class JoinableQueue(Queue):
+    """A :class:`Queue` with ``task_done()`` and ``join()``; see :class:`multiprocessing.JoinableQueue`."""
+
+    def __init__(self, maxsize: int = 0, *, ctx: Any) -> None:
+        super().__init__(maxsize, ctx=ctx)
+        self._unfinished_tasks = ctx.Semaphore(0)
+        self._cond = ctx.Condition()
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return Queue.__getstate__(self) + (self._cond, self._unfinished_tasks)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        Queue.__setstate__(self, state[:-2])
+        self._cond, self._unfinished_tasks = state[-2:]
+
+    def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        msg = reducers.dumps(obj)
+        if not self._sem.acquire(block, timeout):
+            raise Full
+        with self._notempty, self._cond:
+            if self._thread is None:
+                self._start_thread()
+            self._buffer.append(msg)
+            self._unfinished_tasks.release()
+            self._notempty.notify()
+
+    def task_done(self) -> None:
+        """Mark one item as processed. Raises ``ValueError`` if called too many times."""
+        with self._cond:
+            if not self._unfinished_tasks.acquire(False):
+                raise ValueError("task_done() called too many times")
+            if self._unfinished_tasks._semlock._is_zero():  # type: ignore[attr-defined]
+                self._cond.notify_all()
+
+    def join(self) -> None:
+        """Block until every item put has been marked done with :meth:`task_done`."""
+        with self._cond:
+            if not self._unfinished_tasks._semlock._is_zero():  # type: ignore[attr-defined]
+                self._cond.wait()
+
+
+class SimpleQueue:
+    """A simplified queue without a feeder thread; see :class:`multiprocessing.SimpleQueue`.
+
+    ``put`` pickles and writes in the caller (blocking while the socket is full).
+    """
+
+    def __init__(self, *, ctx: Any) -> None:
+        self._reader, self._writer = Pipe(duplex=False)
+        self._rlock = ctx.Lock()
+        self._poll = self._reader.poll
+        self._wlock = ctx.Lock()
+
+    def close(self) -> None:
+        self._reader.close()
+        self._writer.close()
+
+    def empty(self) -> bool:
+        return not self._poll()
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        _mpctx.assert_spawning(self)
+        return (self._reader, self._writer, self._rlock, self._wlock)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        (self._reader, self._writer, self._rlock, self._wlock) = state
+        self._poll = self._reader.poll
+
+    def get(self) -> Any:
+        with self._rlock:
+            data, fds = self._reader.recv_message()
+        return reducers.loads(data, fds)
+
+    def put(self, obj: Any) -> None:
+        msg = reducers.dumps(obj)
+        with self._wlock:
+            self._writer.send_message(msg)
+
+    def __repr__(self) -> str:
+        return f"<tensormp.SimpleQueue at {id(self):#x}>"
+
+    __class_getitem__ = classmethod(types.GenericAlias)

@@ -1,0 +1,174 @@
+"""Pickling with file descriptors: the one registration point for tensormp's reducers.
+
+Protocol
+--------
+``dumps(obj)`` pickles with a private pickler whose dispatch table is the stdlib's
+``ForkingPickler`` table (whatever torch or others registered there) *plus* tensormp's reducers,
+which win. A reducer that needs an fd on the other side (a shared-memory segment, a tensormp
+``Connection``) calls :meth:`Message.add_fd`, which appends the fd to the message's fd list
+(once per segment per message) and returns its index; the pickle stores only the index. The
+transport then carries the fds beside the bytes: ``SCM_RIGHTS`` on tensormp's sockets
+(``connection.py``), or the start method's fd inheritance for ``Process`` arguments
+(``context.py``). ``loads(data, fds)`` makes the fds available to rebuild functions, which
+take an fd by index (and own it from then on); fds no rebuild took are closed afterwards.
+
+The fds in ``Message.fds`` are *borrowed*: they belong to the segments or connections in
+``Message.keepalive``, which the sender keeps alive until the message is sent (and, for a
+copied array, until then the copy exists nowhere else).
+
+Registration: tensormp does **not** register array reducers on the global stdlib pickler.
+Numpy arrays put on a plain ``multiprocessing.Queue`` keep being pickled by value; tensormp's
+own queues, pipes, pools and processes always use tensormp's reducers, whether torch (which
+does patch the global pickler) was imported before or after tensormp. The only global
+registration is for tensormp's own ``Connection`` type, which the stdlib could not pickle.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import os
+import pickle
+import threading
+from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+from ..errors import HandleError
+
+__all__ = ["Message", "dumps", "loads", "register", "current_message", "take_fd"]
+
+_reducers: dict[type, Callable[[Any], Any]] = {}
+_table_cache: tuple[tuple[int, int, int], dict[type, Any]] | None = None
+_tls = threading.local()
+
+
+def register(cls: type, reducer: Callable[[Any], Any]) -> None:
+    """Use ``reducer`` for exact type ``cls`` in tensormp channels (not in the global pickler)."""
+    global _table_cache
+    _reducers[cls] = reducer
+    _table_cache = None
+
+
+def _dispatch_table() -> dict[type, Any]:
+    global _table_cache
+    extra = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
+    key = (len(copyreg.dispatch_table), len(extra), len(_reducers))
+    cached = _table_cache
+    if cached is None or cached[0] != key:
+        table = dict(copyreg.dispatch_table)
+        table.update(extra)
+        table.update(_reducers)
+        cached = _table_cache = (key, table)
+    return cached[1]
+
+
+class Message:
+    """One pickled object and the fds that travel with it.
+
+    Attributes:
+        data: the pickle bytes.
+        fds: borrowed fds, in the order the pickle refers to them (index = position).
+        keepalive: objects that own those fds (and copies made for the message); keep the
+            message alive until it is sent.
+    """
+
+    __slots__ = ("data", "fds", "keepalive", "_index")
+
+    def __init__(self) -> None:
+        self.data = b""
+        self.fds: list[int] = []
+        self.keepalive: list[object] = []
+        self._index: dict[object, int] = {}
+
+    def add_fd(self, fd: int, key: object, owner: object) -> int:
+        """Attach ``fd`` (owned by ``owner``; deduplicated by ``key``); returns its index."""
+        index = self._index.get(key)
+        if index is None:
+            index = self._index[key] = len(self.fds)
+            self.fds.append(fd)
+            self.keepalive.append(owner)
+        return index
+
+    def __repr__(self) -> str:
+        return f"<Message {len(self.data)} bytes, {len(self.fds)} fds>"
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO) -> None:
+        self.dispatch_table = _dispatch_table()
+        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+
+
+def current_message() -> Message | None:
+    """The message being pickled in this thread, or None outside :func:`dumps`."""
+    stack = getattr(_tls, "dumping", None)
+    return stack[-1] if stack else None
+
+
+def dumps(obj: object) -> Message:
+    """Pickle ``obj`` for a tensormp channel. Errors raise here, in the caller."""
+    msg = Message()
+    stack = _tls.__dict__.setdefault("dumping", [])
+    stack.append(msg)
+    try:
+        buf = io.BytesIO()
+        _Pickler(buf).dump(obj)
+        msg.data = buf.getvalue()
+    finally:
+        stack.pop()
+    return msg
+
+
+class _Received:
+    __slots__ = ("fds", "taken")
+
+    def __init__(self, fds: list[int]) -> None:
+        self.fds = fds
+        self.taken = [False] * len(fds)
+
+    def take(self, index: int) -> int:
+        if not 0 <= index < len(self.fds) or self.taken[index]:
+            raise HandleError(
+                f"message refers to fd #{index} but carries {len(self.fds)} fds "
+                "(corrupt or truncated message)"
+            )
+        self.taken[index] = True
+        return self.fds[index]
+
+    def close_untaken(self) -> None:
+        for fd, taken in zip(self.fds, self.taken):
+            if not taken:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
+def take_fd(index: int) -> int:
+    """Inside a rebuild function: take ownership of the message's fd number ``index``.
+
+    Raises:
+        HandleError: called outside :func:`loads` (the pickle did not come through a tensormp
+            channel) or the index is not in the message.
+    """
+    stack = getattr(_tls, "loading", None)
+    if not stack:
+        raise HandleError(
+            "a tensormp shared-memory handle was unpickled outside a tensormp channel, so its "
+            "file descriptors are missing; send it through a tensormp Queue, Pipe or Process "
+            "argument, or call tensormp.reducers.loads(data, fds)"
+        )
+    return stack[-1].take(index)
+
+
+def loads(data: bytes | bytearray | memoryview, fds: list[int]) -> Any:
+    """Unpickle a message; owns ``fds`` (each is taken by a rebuild or closed here)."""
+    received = _Received(fds)
+    stack = _tls.__dict__.setdefault("loading", [])
+    stack.append(received)
+    try:
+        return pickle.loads(data)
+    finally:
+        stack.pop()
+        received.close_untaken()

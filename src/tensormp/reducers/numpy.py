@@ -1,0 +1,104 @@
+"""Reduce/rebuild pair for ``numpy.ndarray``.
+
+A handle is ``(segment id, fd index, segment size, creator pid, segment kind, block offset,
+block capacity, byte offset of the first element in the block, dtype, shape, strides,
+read-only)``: about 150 bytes whatever the array's size. The bytes themselves never enter
+the pickle.
+
+* An array whose memory is a tensormp block (allocated by tensormp, ``share()``d, or received)
+  crosses as a handle to that block: both sides see each other's writes; views keep their
+  offset, shape and strides.
+* Any other array is copied once into a fresh block (keeping C or Fortran order) and that block
+  crosses; the receiver gets a shared array, the sender's array is untouched.
+* Arrays whose dtype holds Python objects, and numpy subclasses (``np.memmap``,
+  ``np.recarray``, ``np.ma.MaskedArray``, ``np.matrix``...), are pickled the ordinary way
+  (by value, keeping their type): the dispatch is on the exact type ``numpy.ndarray``.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import numpy as np
+
+from .. import memory
+from ..memory.allocator import find_block, mark_shared_out
+from . import current_message, register, take_fd
+
+__all__ = ["reduce_ndarray", "rebuild_ndarray", "copy_to_shared", "data_offset"]
+
+
+def data_offset(a: np.ndarray, root: np.ndarray) -> int:
+    """Byte offset of ``a``'s first element from the start of ``root``."""
+    return a.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+
+
+def copy_to_shared(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One copy of ``a`` in a fresh block: returns ``(copy, root)``; keeps C/F order."""
+    order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
+    root = memory.allocate(a.nbytes)
+    out = np.ndarray(a.shape, a.dtype, buffer=root, order=order)
+    np.copyto(out, a, casting="no")
+    return out, root
+
+
+def reduce_ndarray(a: np.ndarray) -> Any:
+    msg = current_message()
+    if msg is None or a.dtype.hasobject:
+        return a.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    found = find_block(a)
+    if found is None:
+        copy, root = copy_to_shared(a)
+        found = find_block(root)
+        assert found is not None
+        msg.keepalive.append(root)
+        a_readonly = not a.flags.writeable
+        a = copy
+    else:
+        a_readonly = not a.flags.writeable
+    block, root = found
+    seg = block.segment
+    mark_shared_out(block)
+    index = msg.add_fd(seg.fd, seg.id, seg)
+    msg.keepalive.append(root)
+    return rebuild_ndarray, (
+        seg.id,
+        index,
+        seg.size,
+        seg.creator_pid,
+        seg.kind,
+        block.offset,
+        block.capacity,
+        data_offset(a, root),
+        a.dtype,
+        a.shape,
+        a.strides,
+        a_readonly,
+    )
+
+
+def rebuild_ndarray(
+    seg_id: bytes,
+    fd_index: int,
+    seg_size: int,
+    creator_pid: int,
+    kind: str,
+    block_offset: int,
+    capacity: int,
+    offset: int,
+    dtype: np.dtype,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    readonly: bool,
+) -> np.ndarray:
+    root = memory.attach(
+        seg_id, lambda: take_fd(fd_index), seg_size, creator_pid, kind, block_offset, capacity
+    )
+    a = np.ndarray(shape, dtype, buffer=root, offset=offset, strides=strides)
+    if readonly:
+        a.flags.writeable = False
+    return a
+
+
+register(np.ndarray, reduce_ndarray)
