@@ -156,7 +156,6 @@ class _Allocator:
         if free:
             arena, offset = free.pop()
             arena.free -= 1
-            self.cached_bytes -= size
         else:
             arena = self.current.get(size)
             if arena is None or arena.bumped == arena.nslots:
@@ -164,8 +163,10 @@ class _Allocator:
                 arena = _Arena(seg, size, seg.size // size)
                 self.arenas[seg.id] = arena
                 self.current[size] = arena
+                self.cached_bytes += seg.size  # reserved, not yet handed out
             offset = arena.bumped * size
             arena.bumped += 1
+        self.cached_bytes -= size
         arena.live += 1
         self.in_use_bytes += size
         return Block(arena.segment, offset, size, owned=True)
@@ -206,7 +207,7 @@ class _Allocator:
             arena.free += 1
             self.free[arena.block_size].append((arena, block.offset))
             self.cached_bytes += arena.block_size
-        if arena.live == 0 and arena.bumped == arena.nslots and arena.retired == arena.nslots:
+        if arena.live == 0 and arena.retired == arena.nslots:
             self._drop_arena(arena)
         elif self.cached_bytes > self.cache_limit:
             self._trim()
@@ -218,7 +219,7 @@ class _Allocator:
         if arena.free:
             lst = self.free[arena.block_size]
             lst[:] = [entry for entry in lst if entry[0] is not arena]
-            self.cached_bytes -= arena.free * arena.block_size
+        self.cached_bytes -= (arena.free + arena.nslots - arena.bumped) * arena.block_size
         _close_if_unused(arena.segment)
 
     def _trim(self, limit: int | None = None) -> None:
@@ -230,7 +231,7 @@ class _Allocator:
             _close_if_unused(seg)
         if self.cached_bytes > limit:
             idle = [a for a in self.arenas.values() if a.live == 0]
-            for arena in sorted(idle, key=lambda a: -a.free * a.block_size):
+            for arena in sorted(idle, key=lambda a: -(a.free + a.nslots - a.bumped) * a.block_size):
                 if self.cached_bytes <= limit:
                     break
                 self._drop_arena(arena)
@@ -382,7 +383,7 @@ def memory_stats() -> dict[str, int]:
     """Counters of this process's shared memory, in bytes and counts.
 
     Keys: ``in_use_bytes`` (blocks handed out by this process and alive), ``cached_bytes``
-    (free blocks and segments kept for reuse), ``cache_limit_bytes``, ``segments`` (mapped
+    (reserved but not handed out: free blocks, unused arena space, cached segments), ``cache_limit_bytes``, ``segments`` (mapped
     in this process, own and received), ``mapped_bytes``, ``fds`` (segment fds held),
     ``arenas``, ``blocks`` (live roots).
     """

@@ -107,6 +107,16 @@ class Segment:
                 bytes cannot be reserved; the message gives requested and available bytes.
         """
         size = max(PAGE_SIZE, -(-size // PAGE_SIZE) * PAGE_SIZE)
+        avail = available_memory()
+        if avail is not None and size > avail:
+            # Checked first: fallocate on a memfd past the available memory does not fail
+            # cleanly, it wakes the OOM killer.
+            raise SharedMemoryError(
+                errno.ENOMEM,
+                f"cannot reserve {format_bytes(size)} of shared memory (memfd): only "
+                f"{format_bytes(avail)} of memory is available to this process. Free memory, "
+                "raise the container's memory limit, or send smaller arrays.",
+            )
         seg_id = os.urandom(16)
         try:
             fd = os.memfd_create("tensormp-" + seg_id.hex(), os.MFD_CLOEXEC)
@@ -122,9 +132,8 @@ class Segment:
             os.close(fd)
             avail = available_memory()
             avail_s = "unknown" if avail is None else format_bytes(avail)
-            code = e.errno if e.errno in (errno.ENOSPC, errno.ENOMEM) else e.errno
             raise SharedMemoryError(
-                code,
+                e.errno,
                 f"cannot reserve {format_bytes(size)} of shared memory (memfd) for an array: "
                 f"{e.strerror}; {avail_s} of memory is available to this process. Free memory, "
                 "raise the container's memory limit, or send smaller arrays.",

@@ -1,0 +1,30 @@
+# `make test` and `make demo` do all set-up on a fresh Linux machine (Python >= 3.10).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tensormp-installed
+
+.PHONY: test test-slow demo bench lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -m slow
+
+demo: $(STAMP)
+	$(PY) -m tensormp.examples.demo
+
+bench: $(STAMP)
+	$(PY) benchmarks/transfer.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info demo_output

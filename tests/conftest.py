@@ -1,0 +1,97 @@
+"""Shared fixtures: every test is checked for leaked fds, memfds, shm files and processes."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import time
+
+import psutil
+import pytest
+
+import tensormp
+
+# Preload in the fork server so forkserver children start fast (numpy, tensormp imported once).
+multiprocessing.set_forkserver_preload(["numpy", "tensormp"])
+START_METHODS = ["spawn", "fork", "forkserver"]
+
+
+def _fds() -> dict[int, str]:
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass
+    return out
+
+
+def _shm_names() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if "tensormp" in n}
+    except OSError:
+        return set()
+
+
+def _children() -> set[int]:
+    keep = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if "forkserver" in cmd or "resource_tracker" in cmd:
+            continue  # the stdlib's long-lived helpers, started once per session
+        keep.add(p.pid)
+    return keep
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stdlib_helpers() -> None:
+    """Start the fork server and resource tracker once, so tests see them as baseline."""
+    from multiprocessing import forkserver, resource_tracker
+
+    resource_tracker.ensure_running()
+    forkserver.ensure_running()
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
+    """Poll ``predicate`` until true or ``timeout`` seconds pass; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    """Fail the test if it leaves fds, tensormp memfds, /dev/shm files or child processes."""
+    gc.collect()
+    before_fds = _fds()
+    before_shm = _shm_names()
+    before_children = _children()
+    yield
+    gc.collect()
+    tensormp.empty_cache()
+    leaked_children = wait_for(lambda: not (_children() - before_children), 10.0)
+    alive = _children() - before_children
+    for pid in alive:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
+    assert leaked_children, f"child processes left running: {sorted(alive)}"
+
+    def new_fds() -> dict[int, str]:
+        gc.collect()
+        now = _fds()
+        return {fd: t for fd, t in now.items() if before_fds.get(fd) != t}
+
+    # Feeder threads close their pipes asynchronously: give them a moment.
+    wait_for(lambda: not new_fds(), 5.0)
+    leaked = new_fds()
+    assert not leaked, f"fds leaked by the test: {leaked}"
+    assert _shm_names() <= before_shm, f"/dev/shm files leaked: {_shm_names() - before_shm}"
