@@ -1,0 +1,320 @@
+"""Arrays through every tensormp channel, under every start method.
+
+Each test body runs under spawn, fork and forkserver (the transfer paths).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import threading
+
+import numpy as np
+import pytest
+from conftest import START_METHODS
+
+import tensormp as mp
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(params=START_METHODS)
+def ctx(request):
+    return mp.get_context(request.param)
+
+
+# -- children (module level so spawn can import them) -----------------------------------------
+def _double_and_return_view(q, done):
+    a = q.get()
+    a *= 2
+    done.put(a[::2])
+
+
+def _echo(inq, outq, n):
+    for _ in range(n):
+        outq.put(inq.get())
+
+
+def _describe(q, out):
+    """Receive objects until None; report how each arrived."""
+    while True:
+        obj = q.get()
+        if obj is None:
+            return
+        if isinstance(obj, np.ndarray) and type(obj) is np.ndarray and not obj.dtype.hasobject:
+            out.put((mp.is_shared(obj), obj.copy(), obj.flags.writeable, obj.strides))
+        else:
+            out.put((False, obj, None, None))
+
+
+def _write_arg(a, value, done):
+    a[...] = value
+    done.put(mp.is_shared(a))
+
+
+def _produce_and_exit(q, n):
+    for i in range(n):
+        q.put(np.full((1000,), i, dtype=np.int64))
+    q.close()
+    q.join_thread()
+
+
+def _pipe_child(conn):
+    a = conn.recv()
+    a += 1
+    conn.send(a)
+    conn.send(np.arange(10.0))
+    conn.close()
+
+
+def _keep_and_count_fds(q, out, n):
+    kept = [q.get() for _ in range(n)]
+    out.put((len(os.listdir("/proc/self/fd")), int(sum(int(k[0]) for k in kept))))
+
+
+# -- the README example -------------------------------------------------------------------------
+def test_readme_example(ctx):
+    q, done = ctx.Queue(), ctx.Queue()
+    a = mp.ones((1024, 1024), dtype=np.float32)
+    p = ctx.Process(target=_double_and_return_view, args=(q, done))
+    p.start()
+    q.put(a)
+    v = done.get()
+    p.join(30)
+    assert p.exitcode == 0
+    assert a[0, 0] == 2 and mp.is_shared(v)
+    assert v.shape == (512, 1024)
+    v[0, 0] = 7
+    assert a[0, 0] == 7
+
+
+# -- every kind of array, through every queue kind ----------------------------------------------
+def _cases():
+    base = np.arange(24, dtype=np.float64).reshape(4, 6)
+    rec = np.zeros(3, dtype=[("x", "<i4"), ("y", ">f8"), ("s", "S5")])
+    rec["x"] = [1, 2, 3]
+    rec["y"] = [0.5, 1.5, 2.5]
+    rec["s"] = [b"a", b"bb", b"ccc"]
+    ro = np.arange(5, dtype=np.int16)
+    ro.flags.writeable = False
+    return {
+        "float64": base,
+        "strided-view": base[::2, 1::3],
+        "transposed": base.T,
+        "negative-strides": base[::-1, ::-2],
+        "fortran": np.asfortranarray(base),
+        "zero-size": np.empty((0, 5), dtype=np.float32),
+        "0-d": np.array(3.5),
+        "bool": np.array([True, False, True]),
+        "complex": np.arange(4) * (1 + 2j),
+        "big-endian": np.arange(6, dtype=">i8"),
+        "float16": np.arange(6, dtype=np.float16),
+        "datetime64": np.array(["2024-01-01", "2026-11-29"], dtype="datetime64[D]"),
+        "structured": rec,
+        "read-only": ro,
+        "unicode": np.array(["héllo", "wörld"]),
+    }
+
+
+@pytest.mark.parametrize("kind", ["Queue", "SimpleQueue", "JoinableQueue"])
+def test_every_dtype_and_layout(ctx, kind):
+    q, out = getattr(ctx, kind)(), ctx.Queue()
+    p = ctx.Process(target=_describe, args=(q, out))
+    p.start()
+    cases = _cases()
+    for name, arr in cases.items():
+        q.put(arr)
+        shared, got, writeable, _ = out.get(timeout=30)
+        assert shared, name
+        assert got.dtype == arr.dtype, name
+        assert got.shape == arr.shape, name
+        np.testing.assert_array_equal(got, arr, err_msg=name)
+        assert writeable == arr.flags.writeable, name
+    q.put(None)
+    p.join(30)
+    assert p.exitcode == 0
+
+
+def test_fallbacks_keep_type_and_value(ctx, tmp_path):
+    """Object dtypes and numpy subclasses are pickled by value, never crash."""
+    q, out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_describe, args=(q, out))
+    p.start()
+    mm = np.memmap(tmp_path / "m.bin", dtype=np.int32, mode="w+", shape=(4,))
+    mm[:] = [1, 2, 3, 4]
+    objects = {
+        "object": np.array([{"a": 1}, None, "x"], dtype=object),
+        "masked": np.ma.masked_array([1, 2, 3], mask=[0, 1, 0]),
+        "recarray": np.rec.fromrecords([(1, 2.0)], names="a,b"),
+        "matrix": np.asmatrix(np.eye(2)),
+        "memmap": mm,
+    }
+    for name, obj in objects.items():
+        q.put(obj)
+        shared, got, _, _ = out.get(timeout=30)
+        assert not shared, name
+        assert isinstance(got, type(obj)) or name == "memmap", name
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(obj), err_msg=name)
+    q.put(None)
+    p.join(30)
+    del mm
+    assert p.exitcode == 0
+
+
+def test_views_keep_offset_shape_strides(ctx):
+    q, out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_describe, args=(q, out))
+    p.start()
+    a = mp.zeros((8, 10), dtype=np.int32)
+    a[...] = np.arange(80).reshape(8, 10)
+    v = a[1:7:2, ::-3]
+    q.put(v)
+    shared, got, _, strides = out.get(timeout=30)
+    assert shared and strides == v.strides
+    np.testing.assert_array_equal(got, v)
+    q.put(None)
+    p.join(30)
+
+
+# -- Pipe and Process arguments ----------------------------------------------------------------
+def test_pipe_both_ways(ctx):
+    here, there = ctx.Pipe()
+    p = ctx.Process(target=_pipe_child, args=(there,))
+    p.start()
+    there.close()
+    a = mp.zeros(100)
+    here.send(a)
+    b = here.recv()
+    assert b is not a and mp.is_shared(b)
+    assert a[0] == 1 and b[0] == 1  # same memory
+    c = here.recv()
+    assert mp.is_shared(c)
+    np.testing.assert_array_equal(c, np.arange(10.0))
+    here.close()
+    p.join(30)
+    assert p.exitcode == 0
+
+
+def test_process_argument_shared(ctx):
+    done = ctx.Queue()
+    a = mp.zeros((1000,))
+    p = ctx.Process(target=_write_arg, args=(a[10:20], 5.0, done))
+    p.start()
+    assert done.get(timeout=30) is True
+    p.join(30)
+    assert (a[10:20] == 5).all() and a[9] == 0 and a[20] == 0
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_process_argument_not_shared_becomes_shared(method):
+    ctx = mp.get_context(method)
+    done = ctx.Queue()
+    a = np.zeros(10)
+    p = ctx.Process(target=_write_arg, args=(a, 5.0, done))
+    p.start()
+    assert done.get(timeout=30) is True  # the child got shared memory (one copy)
+    p.join(30)
+    assert (a == 0).all()  # the caller's own array was copied, not changed
+
+
+# -- lifetime -----------------------------------------------------------------------------------
+def test_consumer_receives_after_producer_exited(ctx):
+    q = ctx.Queue()
+    p = ctx.Process(target=_produce_and_exit, args=(q, 20))
+    p.start()
+    p.join(30)
+    assert p.exitcode == 0
+    for i in range(20):
+        a = q.get(timeout=10)
+        assert mp.is_shared(a) and (a == i).all()
+
+
+def test_memory_survives_sigkill_of_creator():
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_produce_and_exit, args=(q, 3))
+    p.start()
+    first = q.get(timeout=30)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(30)
+    assert (first == 0).all()
+    first[:] = 9  # still mapped and writable after the creator died
+    assert first.sum() == 9 * 1000
+
+
+# -- fds do not grow ----------------------------------------------------------------------------
+def test_receiver_fds_flat_when_keeping_arrays(ctx):
+    n = 3000
+    q, out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_keep_and_count_fds, args=(q, out, n))
+    p.start()
+    before = len(os.listdir("/proc/self/fd"))
+    for i in range(n):
+        q.put(np.full(512, i, dtype=np.float64))  # 4 KiB each, copied into shared memory
+    fds, total = out.get(timeout=60)
+    p.join(30)
+    assert total == sum(range(n))
+    assert fds < 40, f"receiver holds {fds} fds for {n} arrays"
+    assert len(os.listdir("/proc/self/fd")) <= before + 4
+
+
+# -- errors raise in the caller ---------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["Queue", "SimpleQueue", "JoinableQueue", "Pipe"])
+def test_unpicklable_put_raises_in_caller_and_sends_nothing(ctx, kind):
+    if kind == "Pipe":
+        reader, writer = ctx.Pipe(duplex=False)
+        put, get = writer.send, reader.recv
+    else:
+        q = getattr(ctx, kind)()
+        put, get = q.put, q.get
+    with pytest.raises((TypeError, pickle.PicklingError, AttributeError)):
+        put([np.ones(3), threading.Lock()])
+    put("after")
+    assert get() == "after"
+    if kind == "Pipe":
+        reader.close()
+        writer.close()
+
+
+def _plain_loads(data, out):
+    try:
+        pickle.loads(data)
+    except Exception as e:
+        out.put((type(e).__name__, str(e)))
+    else:
+        out.put(None)
+
+
+def test_handle_outside_channel_is_a_clear_error():
+    from tensormp import reducers
+
+    ctx = mp.get_context("spawn")
+    a = mp.ones(3)
+    msg = reducers.dumps(a)  # bytes only: the fds stay behind
+    out = ctx.SimpleQueue()
+    p = ctx.Process(target=_plain_loads, args=(msg.data, out))
+    p.start()
+    name, text = out.get()
+    p.join(30)
+    assert name == "HandleError" and "outside a tensormp channel" in text
+
+
+# -- fork: child allocations never alias the parent's -------------------------------------------
+def _fork_child_alloc(out):
+    xs = [mp.full(16, 100 + i) for i in range(50)]  # would reuse the parent's free blocks
+    out.put(all(int(x[0]) == 100 + i for i, x in enumerate(xs)))
+
+
+def test_fork_child_has_own_allocator():
+    ctx = mp.get_context("fork")
+    parent = [mp.full(16, i) for i in range(50)]
+    del parent[::2]  # free blocks in the parent before forking
+    out = ctx.Queue()
+    p = ctx.Process(target=_fork_child_alloc, args=(out,))
+    p.start()
+    mine = [mp.full(16, -1) for _ in range(50)]  # the parent allocates at the same time
+    assert out.get(timeout=30) is True
+    p.join(30)
+    assert all(int(x[0]) == 2 * i + 1 for i, x in enumerate(parent))
+    assert all(int(x[0]) == -1 for x in mine)
