@@ -39,6 +39,18 @@ from .context import _default_context, get_context
 from .errors import HandleError, SharedMemoryError, TensormpError
 from .memory import empty_cache, get_cache_limit, memory_stats, set_cache_limit
 from .reducers import numpy as _numpy_reducers  # noqa: F401
+from .spawn import (
+    ProcessContext,
+    ProcessException,
+    ProcessExitedException,
+    ProcessFailure,
+    ProcessRaisedException,
+    ProcessTimeoutError,
+    SpawnBootstrapError,
+    SpawnContext,
+    spawn,
+    start_processes,
+)
 from .strategies import get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy
 
 __version__ = "0.1.0"
@@ -55,5 +67,8 @@ __all__ = sorted(
         "get_all_sharing_strategies", "get_sharing_strategy", "set_sharing_strategy",
         "memory_stats", "empty_cache", "set_cache_limit", "get_cache_limit",
         "Connection", "TensormpError", "SharedMemoryError", "HandleError",
+        "spawn", "start_processes", "ProcessContext", "SpawnContext", "ProcessException",
+        "ProcessRaisedException", "ProcessExitedException", "ProcessTimeoutError",
+        "ProcessFailure", "SpawnBootstrapError",
     }
 )

@@ -25,7 +25,7 @@ import multiprocessing
 from multiprocessing import context as _mpctx
 from typing import Any
 
-from . import reducers
+from . import _child, reducers
 
 __all__ = ["Process", "DefaultContext", "get_context"]
 
@@ -46,10 +46,16 @@ class _ProcessMixin:
         return _rebuild_process, (type(self), msg.data, fds)
 
     def start(self) -> None:
+        _child.before_start(self)
         try:
             super().start()  # type: ignore[misc]
         finally:
             self.__dict__.pop("_tensormp_keepalive", None)
+
+    def _bootstrap(self, parent_sentinel: Any = None) -> Any:
+        # In the child: die with the parent (PR_SET_PDEATHSIG + a watchdog; see _child.py).
+        _child.at_bootstrap(self, parent_sentinel)
+        return super()._bootstrap(parent_sentinel)  # type: ignore[misc]
 
 
 def _rebuild_process(cls: type, data: bytes, fds: list[Any]) -> Any:
