@@ -35,8 +35,9 @@ Workloads
     on a control pipe, ``get()``, touch the array by reading one float32 of every 4 KiB page
     (``a[::1024].sum()``, checked against the expected value: it maps and faults every page,
     which a real consumer pays for, while its arithmetic stays negligible), drop it. Lock step
-    (no prefetching) is the conservative reading of a data-loader step. Step 0 of the fresh
-    processes is reported as the *first transfer*; then warm-up steps; then timed steps.
+    (no prefetching) is the conservative reading of a data-loader step. Step 0 of fresh
+    processes is the *first transfer* (median over 3 fresh pairs of processes, 1 with
+    ``--quick``); then warm-up steps; then timed steps.
     Baseline: one in-process ``numpy.copyto`` of 256 MiB between two already-faulted arrays,
     timed in the parent in this run. Targets: steady-state step <= 2x that copy; tensormp's
     first transfer no slower than torch's.
@@ -840,7 +841,7 @@ def main(argv: list[str] | None = None) -> int:
             bench.stream(4 * KiB, n, 2 if args.quick else 5, 400 if args.quick else 2_000)
         elif w == "medium":
             n = 800 if args.quick else 2_000
-            bench.stream(64 * KiB, n, 2 if args.quick else 5, n)
+            bench.stream(64 * KiB, n, 2 if args.quick else 5, 400 if args.quick else n)
     bench.summary()
 
     left = _leftover_children()

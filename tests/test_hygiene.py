@@ -208,21 +208,25 @@ def test_process_started_from_a_short_lived_thread(tmp_path, method):
     _kill_parent_and_check(proc, [info["pid"]])
 
 
-def test_pdeathsig_covers_a_sentinel_held_open_elsewhere(tmp_path):
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+@pytest.mark.parametrize("when", ["running", "starting"])
+def test_pdeathsig_covers_a_sentinel_held_open_elsewhere(tmp_path, method, when):
     # The driver forks a plain process that inherits the write end of the child's parent pipe:
-    # the watchdog cannot see the parent die, PR_SET_PDEATHSIG does.
+    # the watchdog cannot see the parent die; PR_SET_PDEATHSIG does, or, when the parent dies
+    # before the child armed it ("starting"), the child's getppid() check.
     proc = _driver(tmp_path, """
         if __name__ == "__main__":
-            p = mp.get_context("spawn").Process(target=busy, args=(mp.zeros(4),))
+            p = mp.get_context(sys.argv[1]).Process(target=busy, args=(mp.zeros(4),))
             p.start()
             holder = os.fork()
             if holder == 0:
                 time.sleep(60)
                 os._exit(0)
-            time.sleep(0.3)
+            if sys.argv[2] == "running":
+                time.sleep(0.5)
             emit(pid=p.pid, holder=holder)
             time.sleep(120)
-    """)
+    """, method, when)
     (info,) = _read(proc)
     try:
         _kill_parent_and_check(proc, [info["pid"]])

@@ -25,7 +25,9 @@ mechanisms; neither needs a thread, the GIL or any cooperation from the parent:
    exits, so the parent records in ``start()`` (:func:`before_start`) whether it ran on the
    main thread, and the child sets it only then (or under forkserver, whose forking thread is
    the server's main thread). A ``Process`` started from a short-lived thread (or a ``Pool``
-   worker replaced by the pool's handler thread) relies on the watchdog alone.
+   worker replaced by the pool's handler thread) relies on the watchdog alone. A parent that
+   died before the child armed it is caught by comparing ``getppid()`` with the parent's pid
+   (fork and spawn, whose real parent is the logical one).
 
 A normally exiting parent is unaffected: the stdlib joins non-daemon children (and terminates
 daemonic ones) in its exit handler *before* the finalizers close the write ends, so no child is
@@ -99,9 +101,16 @@ _watch_fd: int | None = None
 def before_start(process: Any) -> None:
     """Parent side, in ``Process.start()``: record what the child needs to know.
 
-    Records whether ``start()`` runs on the main thread: ``PR_SET_PDEATHSIG`` fires when the
-    forking *thread* exits, so it is only safe from a thread that lives as long as the process.
+    Records the start method and whether ``start()`` runs on the main thread:
+    ``PR_SET_PDEATHSIG`` fires when the forking *thread* exits, so it is only safe from a
+    thread that lives as long as the process.
     """
+    method = getattr(process, "_start_method", None)
+    if method is None:  # tensormp.Process: the default context decides at start()
+        from .context import get_context
+
+        method = get_context().get_start_method()
+    process.__dict__["_tensormp_method"] = method
     process.__dict__["_tensormp_main_thread"] = (
         threading.current_thread() is threading.main_thread()
     )
@@ -113,9 +122,14 @@ def at_bootstrap(process: Any, parent_sentinel: int | None) -> None:
     Best effort by design: a failure to arm (a kernel without ``F_SETSIG``, a seccomp filter)
     never keeps the child from running its target.
     """
-    forked_by_server = os.getppid() != getattr(process, "_parent_pid", None)
-    if forked_by_server or process.__dict__.get("_tensormp_main_thread", False):
+    state = process.__dict__
+    by_server = state.get("_tensormp_method") == "forkserver"
+    if by_server or state.get("_tensormp_main_thread", False):
         _set_pdeathsig(_PARENT_DEATH_SIGNAL)
+    if not by_server and os.getppid() != getattr(process, "_parent_pid", None):
+        # Our parent forked us and has died since (we were reparented), before pdeathsig
+        # was armed; the watchdog may not see it if another process holds the pipe open.
+        os.kill(os.getpid(), _PARENT_DEATH_SIGNAL)
     if parent_sentinel is not None:
         try:
             _watch_parent(parent_sentinel)
