@@ -318,3 +318,33 @@ def test_fork_child_has_own_allocator():
     p.join(30)
     assert all(int(x[0]) == 2 * i + 1 for i, x in enumerate(parent))
     assert all(int(x[0]) == -1 for x in mine)
+
+
+def test_out_of_fds_drops_one_message_and_the_pipe_stays_usable():
+    import resource
+
+    reader, writer = mp.Pipe(duplex=False)
+    arr = mp.empty(10)
+    writer.send(arr)
+    writer.send("next")
+    del arr
+    mp.empty_cache()  # the segment now exists only in flight
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    used = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (used + 16, hard))
+    hog = []
+    try:
+        while True:
+            hog.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        pass
+    try:
+        with pytest.raises(mp.FdLimitError, match="out of fds"):
+            reader.recv()
+    finally:
+        for fd in hog:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert reader.recv() == "next"
+    reader.close()
+    writer.close()

@@ -36,7 +36,7 @@ from .arrays import (
 )
 from .connection import Connection
 from .context import _default_context, get_context
-from .errors import HandleError, SharedMemoryError, TensormpError
+from .errors import FdLimitError, HandleError, SharedMemoryError, TensormpError
 from .memory import empty_cache, get_cache_limit, memory_stats, set_cache_limit
 from .reducers import numpy as _numpy_reducers  # noqa: F401
 from .spawn import (
@@ -66,7 +66,7 @@ __all__ = sorted(
         "empty_like", "zeros_like", "ones_like", "full_like",
         "get_all_sharing_strategies", "get_sharing_strategy", "set_sharing_strategy",
         "memory_stats", "empty_cache", "set_cache_limit", "get_cache_limit",
-        "Connection", "TensormpError", "SharedMemoryError", "HandleError",
+        "Connection", "TensormpError", "SharedMemoryError", "HandleError", "FdLimitError",
         "spawn", "start_processes", "ProcessContext", "SpawnContext", "ProcessException",
         "ProcessRaisedException", "ProcessExitedException", "ProcessTimeoutError",
         "ProcessFailure", "SpawnBootstrapError",

@@ -33,6 +33,7 @@ from multiprocessing import reduction as _mpr
 from typing import Any
 
 from . import reducers
+from .errors import FdLimitError
 
 __all__ = ["Connection", "Pipe"]
 
@@ -112,41 +113,47 @@ class Connection(_mpc.Connection):
             got += k
         return buf
 
-    def _recv_fds(self, nbytes: int) -> tuple[bytes, list[int]]:
+    def _recv_fds(self, nbytes: int) -> tuple[bytes, list[int], bool]:
+        """``recvmsg``: (bytes, fds received, whether fds were lost to MSG_CTRUNC)."""
         data, anc, flags, _ = self._sock.recvmsg(nbytes, _ANC_SPACE, socket.MSG_CMSG_CLOEXEC)
         fds: list[int] = []
         for level, kind, payload in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 usable = len(payload) - len(payload) % _FD_SIZE
                 fds.extend(struct.unpack(f"{usable // _FD_SIZE}i", payload[:usable]))
-        if flags & socket.MSG_CTRUNC:
-            for fd in fds:
-                os.close(fd)
-            raise OSError(
-                errno.EMFILE,
-                "file descriptors sent with a message were lost (MSG_CTRUNC): this process is "
-                "out of fds; raise RLIMIT_NOFILE (ulimit -n)",
-            )
-        return data, fds
+        return data, fds, bool(flags & socket.MSG_CTRUNC)
 
     def _recv_message(self) -> tuple[bytearray | bytes, list[int]]:
-        head, fds = self._recv_fds(_HEADER.size)
+        head, fds, lost = self._recv_fds(_HEADER.size)
         try:
             if not head:
                 raise EOFError
             if len(head) < _HEADER.size:
                 head += self._recv_exact(_HEADER.size - len(head))
             nfds, length = _HEADER.unpack(head)
-            while len(fds) < nfds:
-                marker, more = self._recv_fds(1)
+            batches = -(-max(0, nfds - _MAX_FDS) // _MAX_FDS)
+            for _ in range(batches):
+                marker, more, more_lost = self._recv_fds(1)
                 fds.extend(more)
+                lost |= more_lost
                 if marker != b"F":
                     raise EOFError if not marker else OSError("corrupt tensormp message stream")
-            return self._recv_exact(length), fds
+            data = self._recv_exact(length)  # read the whole message even when fds were lost
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
+        if lost or len(fds) != nfds:
+            for fd in fds:
+                os.close(fd)
+            raise FdLimitError(
+                errno.EMFILE,
+                f"a message arrived with {nfds} file descriptors but only {len(fds)} could be "
+                "received: this process is out of fds (RLIMIT_NOFILE). The message was "
+                "dropped and the connection stays usable; raise the limit (ulimit -n) or keep "
+                "fewer arrays alive",
+            )
+        return data, fds
 
     # -- the stdlib hooks ---------------------------------------------------------------------
     def _send_bytes(self, buf: Any) -> None:

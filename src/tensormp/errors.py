@@ -11,6 +11,7 @@ __all__ = [
     "TensormpError",
     "SharedMemoryError",
     "HandleError",
+    "FdLimitError",
 ]
 
 
@@ -32,4 +33,11 @@ class HandleError(TensormpError, RuntimeError):
     For example, a tensormp pickle was loaded with plain :func:`pickle.loads` instead of
     arriving through a tensormp queue, pipe or process argument, so the file descriptors
     that travel beside the bytes are missing.
+    """
+
+
+class FdLimitError(TensormpError, OSError):
+    """A message's file descriptors could not be received: the process is out of fds.
+
+    ``errno`` is ``EMFILE``. The message is dropped whole and the connection stays usable.
     """

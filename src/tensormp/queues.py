@@ -31,6 +31,7 @@ from typing import Any
 
 from . import reducers
 from .connection import Pipe
+from .errors import FdLimitError
 
 __all__ = ["Queue", "JoinableQueue", "SimpleQueue"]
 
@@ -118,7 +119,11 @@ class Queue:
             raise ValueError(f"Queue {self!r} is closed")
         if block and timeout is None:
             with self._rlock:
-                data, fds = self._reader.recv_message()
+                try:
+                    data, fds = self._reader.recv_message()
+                except FdLimitError:
+                    self._sem.release()  # that message was consumed (and dropped)
+                    raise
             self._sem.release()
         else:
             if block:
@@ -131,8 +136,10 @@ class Queue:
                         raise Empty
                 elif not self._poll():
                     raise Empty
-                data, fds = self._reader.recv_message()
-                self._sem.release()
+                try:
+                    data, fds = self._reader.recv_message()
+                finally:
+                    self._sem.release()
             finally:
                 self._rlock.release()
         return reducers.loads(data, fds)

@@ -13,17 +13,18 @@ Protocol and ownership
   a Unix socket, or the fd inheritance of a process start), never by name. So there is no
   name to leak: the kernel frees the memory when the last fd and the last mapping are gone, in
   whatever order processes exit, ``kill -9`` included.
-* Closing a segment closes its fd and drops this process's reference to the mapping; the
-  ``mmap`` object unmaps when the last array exporting its buffer is gone, so an array can
-  never outlive its mapping. The allocator closes a segment only when its last root is dead.
+* Closing a segment unmaps it and closes its fd in this process only. Every array tensormp
+  hands out is a view of a block *root* (``allocator.py``), and views keep their root alive,
+  so the allocator closes a segment only when the last root in it has died: no array can
+  outlive its mapping.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
-import sys
 
 from ..errors import SharedMemoryError
 
@@ -31,9 +32,24 @@ __all__ = ["Segment", "format_bytes"]
 
 PAGE_SIZE = mmap.PAGESIZE
 
-# Python's mmap keeps a dup() of the fd it maps unless told not to (trackfd, Python 3.13+);
-# where it cannot be told, a segment costs two fds instead of one.
-_MMAP_KW = {"trackfd": False} if sys.version_info >= (3, 13) else {}
+# Segments are mapped with libc's mmap rather than Python's ``mmap`` module, which keeps a dup()
+# of every fd it maps (before Python 3.13's ``trackfd=False``): one fd per segment, not two.
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
+]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map(fd: int, size: int) -> int:
+    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return addr
 
 
 def format_bytes(n: float) -> str:
@@ -77,10 +93,13 @@ class Segment:
         fd: the fd of the memfd in this process (sent along with handles).
         size: length in bytes (a multiple of the page size).
         creator_pid: pid of the process that created it.
-        buffer: the ``mmap`` object; arrays are views of it.
+        address: where the segment is mapped in this process.
+        buffer: a ctypes byte array over the mapping; block roots are numpy views of it.
     """
 
-    __slots__ = ("id", "fd", "size", "creator_pid", "buffer", "kind", "roots", "__weakref__")
+    __slots__ = (
+        "id", "fd", "size", "creator_pid", "address", "buffer", "kind", "roots", "__weakref__"
+    )
 
     def __init__(self, seg_id: bytes, fd: int, size: int, creator_pid: int, kind: str) -> None:
         self.id = seg_id
@@ -89,12 +108,16 @@ class Segment:
         self.creator_pid = creator_pid
         self.kind = kind  # "arena" (many small blocks) or "large" (one block)
         try:
-            self.buffer: mmap.mmap | None = mmap.mmap(fd, size, **_MMAP_KW)
+            self.address = _map(fd, size)
         except OSError as e:
             os.close(fd)
             raise SharedMemoryError(
                 e.errno, f"cannot map a shared-memory segment of {format_bytes(size)}: {e.strerror}"
             ) from None
+        # A buffer-protocol view of the mapping; roots are numpy views of it.
+        self.buffer: ctypes.Array[ctypes.c_ubyte] | None = (
+            ctypes.c_ubyte * size
+        ).from_address(self.address)
         # block offset -> weakref of the live root array of that block in this process
         self.roots: dict[int, object] = {}
 
@@ -146,13 +169,14 @@ class Segment:
         return cls(seg_id, fd, size, creator_pid, kind)
 
     def close(self) -> None:
-        """Close the fd and drop the mapping in this process.
+        """Unmap and close the fd in this process.
 
-        The mapping is not closed explicitly: the root array that was last to die may still
-        hold its buffer export while its weakref callback runs. Dropping our reference lets
-        the ``mmap`` object unmap itself the moment that export is released.
+        The caller guarantees that no root array of the segment is alive in this process (the
+        last one may be inside its deallocation, which does not touch the memory).
         """
-        self.buffer = None
+        if self.buffer is not None:
+            self.buffer = None
+            _libc.munmap(self.address, self.size)
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
