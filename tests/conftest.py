@@ -49,11 +49,17 @@ def _children() -> set[int]:
 
 @pytest.fixture(scope="session", autouse=True)
 def _stdlib_helpers() -> None:
-    """Start the fork server and resource tracker once, so tests see them as baseline."""
+    """Start the process-lifetime helpers once, so tests see them as baseline."""
     from multiprocessing import forkserver, resource_tracker
 
     resource_tracker.ensure_running()
     forkserver.ensure_running()
+    # tensormp's per-process release channel (memory/release.py) lives as long as the process.
+    from tensormp.memory import allocator, release
+
+    allocator._allocator.address()
+    release._client_socket(blocking=False)
+    release._client_socket(blocking=True)
 
 
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
@@ -87,6 +93,7 @@ def no_leaks():
 
     def new_fds() -> dict[int, str]:
         gc.collect()
+        tensormp.empty_cache()  # releases from other processes arrive asynchronously
         now = _fds()
         # /dev/shm/pym-*: the stdlib heap behind Value/Array, kept for the process's life.
         return {

@@ -225,6 +225,26 @@ def test_join_false_context():
     assert ctx.return_values == [None, None]
 
 
+def _write_late(i, a):
+    time.sleep(0.3)
+    a[i] = 1
+
+
+def test_dropped_context_does_not_stop_the_ranks():
+    # torch code may call spawn(join=False) and never join: the ranks must still run fn (the
+    # stdlib joins them at exit), even though the report channels are closed under them.
+    import gc
+    import multiprocessing
+
+    a = mp.zeros(2)
+    ctx = mp.start_processes(_write_late, args=(a,), nprocs=2, join=False, return_values=True)
+    pids = ctx.pids()
+    del ctx
+    gc.collect()
+    assert wait_for(lambda: a.tolist() == [1, 1], 30)
+    assert wait_for(lambda: not multiprocessing.active_children() and all(map(_gone, pids)), 10)
+
+
 def test_spawn_warns_on_other_start_method_like_torch():
     a = mp.zeros(2)
     with pytest.warns(FutureWarning, match="start_processes"):

@@ -320,15 +320,21 @@ def test_fork_child_has_own_allocator():
     assert all(int(x[0]) == -1 for x in mine)
 
 
+def _send_array_then_text(writer):
+    writer.send(mp.empty(10))
+    writer.send("next")
+    writer.close()
+
+
 def test_out_of_fds_drops_one_message_and_the_pipe_stays_usable():
     import resource
 
-    reader, writer = mp.Pipe(duplex=False)
-    arr = mp.empty(10)
-    writer.send(arr)
-    writer.send("next")
-    del arr
-    mp.empty_cache()  # the segment now exists only in flight
+    ctx = mp.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_send_array_then_text, args=(writer,))
+    p.start()
+    writer.close()
+    p.join(30)  # both messages are in flight; the array's creator has exited
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     used = len(os.listdir("/proc/self/fd"))
     resource.setrlimit(resource.RLIMIT_NOFILE, (used + 16, hard))
@@ -347,4 +353,3 @@ def test_out_of_fds_drops_one_message_and_the_pipe_stays_usable():
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert reader.recv() == "next"
     reader.close()
-    writer.close()

@@ -342,7 +342,10 @@ def _started(sock: socket.socket) -> None:
     fd = os.memfd_create("tensormp-crash-log", os.MFD_CLOEXEC)
     faulthandler.enable(file=fd, all_threads=True)
     _crash_log_fd = fd  # stays open: faulthandler writes to it at a crash
-    _send(sock, _TAG_STARTED, [fd])
+    try:
+        _send(sock, _TAG_STARTED, [fd])
+    except ConnectionError:  # the parent dropped its ProcessContext: run fn all the same
+        pass
 
 
 def _send_error(sock: socket.socket, exc: BaseException, context: str = "") -> None:
@@ -419,6 +422,8 @@ def spawn_entry(
             _send_result(sock, result)
         except KeyboardInterrupt:
             _die_of_sigint()
+        except ConnectionError:  # nobody is listening for it any more
+            pass
         except BaseException as e:
             _send_error(sock, e, "sending the return value to the parent")
             sys.exit(1)

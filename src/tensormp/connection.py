@@ -177,11 +177,16 @@ class Connection(_mpc.Connection):
         self._check_closed()
         self._check_writable()
         msg = reducers.dumps(obj)
-        self.send_message(msg)
+        try:
+            self.send_message(msg)
+        except BaseException:
+            msg.abandon()
+            raise
 
     def send_message(self, msg: reducers.Message) -> None:
         """Send an already pickled :class:`~tensormp.reducers.Message`."""
         self._send_message(msg.data, msg.fds)
+        msg.sent()
 
     def recv(self) -> Any:
         """Receive an object sent with :meth:`send` (blocks). Raises ``EOFError`` at EOF."""

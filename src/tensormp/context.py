@@ -26,6 +26,7 @@ from multiprocessing import context as _mpctx
 from typing import Any
 
 from . import _child, reducers
+from .memory.allocator import release_all_received
 
 __all__ = ["Process", "DefaultContext", "get_context"]
 
@@ -43,6 +44,7 @@ class _ProcessMixin:
         msg = reducers.dumps(dict(self.__dict__))
         fds = [popen.DupFd(popen.duplicate_for_child(fd)) for fd in msg.fds]
         self.__dict__["_tensormp_keepalive"] = msg.keepalive
+        msg.sent()  # the child rebuilds (and later releases) these handles
         return _rebuild_process, (type(self), msg.data, fds)
 
     def start(self) -> None:
@@ -55,7 +57,11 @@ class _ProcessMixin:
     def _bootstrap(self, parent_sentinel: Any = None) -> Any:
         # In the child: die with the parent (PR_SET_PDEATHSIG + a watchdog; see _child.py).
         _child.at_bootstrap(self, parent_sentinel)
-        return super()._bootstrap(parent_sentinel)  # type: ignore[misc]
+        try:
+            return super()._bootstrap(parent_sentinel)  # type: ignore[misc]
+        finally:
+            # The child ends with os._exit (no garbage collection): hand back what it received.
+            release_all_received()
 
 
 def _rebuild_process(cls: type, data: bytes, fds: list[Any]) -> Any:

@@ -101,6 +101,7 @@ class Queue:
             raise ValueError(f"Queue {self!r} is closed")
         msg = reducers.dumps(obj)  # errors raise here, in the caller
         if not self._sem.acquire(block, timeout):
+            msg.abandon()
             raise Full
         with self._notempty:
             if self._thread is None:
@@ -241,6 +242,8 @@ class Queue:
                 except IndexError:
                     pass
             except Exception as e:
+                if msg is not None:
+                    msg.abandon()
                 if ignore_epipe and getattr(e, "errno", 0) == errno.EPIPE:
                     return
                 if _mputil.is_exiting():
@@ -284,6 +287,7 @@ class JoinableQueue(Queue):
             raise ValueError(f"Queue {self!r} is closed")
         msg = reducers.dumps(obj)
         if not self._sem.acquire(block, timeout):
+            msg.abandon()
             raise Full
         with self._notempty, self._cond:
             if self._thread is None:
@@ -341,8 +345,12 @@ class SimpleQueue:
 
     def put(self, obj: Any) -> None:
         msg = reducers.dumps(obj)
-        with self._wlock:
-            self._writer.send_message(msg)
+        try:
+            with self._wlock:
+                self._writer.send_message(msg)
+        except BaseException:
+            msg.abandon()
+            raise
 
     def __repr__(self) -> str:
         return f"<tensormp.SimpleQueue at {id(self):#x}>"

@@ -402,6 +402,8 @@ class ProcessContext:
     def _signal(self, indices: set[int], sig: int) -> None:
         for i in sorted(indices):
             self._stopped.add(i)
+            if self.processes[i].exitcode is not None:
+                continue  # reaped already (its pid may be someone else's by now)
             try:
                 os.kill(self.processes[i].pid, sig)
             except (ProcessLookupError, PermissionError):

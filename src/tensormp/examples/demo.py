@@ -175,6 +175,11 @@ def plot(results: dict[str, Any], path: Path) -> Path:
     ax_sps.set_ylim(0, max(sps) * 1.15)
     ax_sps.set(ylabel="training samples/s (thousands)",
                title=f"Hogwild speed-up {sps[1] / sps[0]:.2f}x")
+    busy = results.get("busy_cores", 0.0)
+    if busy > _BUSY_CORES:
+        ax_sps.text(0.5, 0.5, f"other programs kept\n{busy:.1f} cores busy", ha="center",
+                    transform=ax_sps.transAxes, color="dimgrey", fontsize=9,
+                    bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"})
 
     gbs = [shared.gb_per_s, stdlib.gb_per_s]
     bars = ax_pipe.bar(["tensormp\nshared ring", "stdlib\nmp.Queue"], gbs,
@@ -206,7 +211,9 @@ def summary(results: dict[str, Any]) -> str:
     s1, sn = one.median_samples_per_s, many.median_samples_per_s
     lines += [
         f"Hogwild samples/s        {s1:9,.0f}  {sn:9,.0f}   speed-up {sn / s1:.2f}x "
-        f"(median epoch; total-time ratio {many.samples_per_s / one.samples_per_s:.2f}x)",
+        f"(median epoch; total-time ratio {many.samples_per_s / one.samples_per_s:.2f}x)"
+        + (f"\n  (other programs kept {results['busy_cores']:.1f} cores busy meanwhile)"
+           if results.get("busy_cores", 0.0) > _BUSY_CORES else ""),
         f"Pipeline                 {'batches/s':>9}  {'GB/s':>9}   queue bytes/batch",
         f"  tensormp shared ring   {shared.batches_per_s:9.1f}  {shared.gb_per_s:9.2f}   "
         f"{shared.queue_bytes_per_batch:,}",

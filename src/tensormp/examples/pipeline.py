@@ -23,7 +23,7 @@ and ``ids`` ``(slots, batch)`` int64, with :func:`tensormp.empty`, and starts th
 
     free   parent -> loaders   slot index                    (starts holding every slot)
     ready  loaders -> parent   (batch id, slot, images[slot], labels[slot], ids[slot], crc)
-                               ... or ("end", rank) when a loader has made all its batches
+                               ... or ("end", rank, pickle bytes of one message) at the end
 
 Loader ``r`` makes batches ``r, r + L, r + 2L, ...`` (``L`` loaders): it takes a free slot,
 writes the batch straight into it (the one copy any loader makes), and puts the slot's views
@@ -52,7 +52,6 @@ on arrival (a slot overwritten in flight would not match) and records ``(batch i
 from __future__ import annotations
 
 import argparse
-import pickle
 import queue
 import sys
 import time
@@ -90,7 +89,8 @@ class PipelineResult:
         loaders: number of loader processes.
         batches: batches the trainer received (all of them, warm-up included).
         batch_bytes: payload bytes of one batch (images + labels + ids).
-        queue_bytes_per_batch: bytes written to the queue for one batch (the pickle).
+        queue_bytes_per_batch: pickle bytes the queue carries for one batch (framing aside),
+            measured by the loaders.
         seconds: time of the batches after warm-up.
         timed_batches: batches counted in :attr:`seconds`.
         wall_seconds: the whole run, process start and shutdown included.
@@ -225,13 +225,27 @@ def _shared_loader(
 ) -> None:
     """Loader ``rank`` of the ring pipeline (started by :func:`tensormp.spawn`)."""
     ring_images, ring_labels, ring_ids = ring
+    size = 0
     for batch_id in range(rank, nbatches, nloaders):
         slot = free.get()
         im, lab, ids = ring_images[slot], ring_labels[slot], ring_ids[slot]
         fill_batch(images, labels, batch_id, seed, im, lab, ids)
         crc = batch_crc(im, lab, ids) if verify else None
-        ready.put((batch_id, slot, im, lab, ids, crc))
-    ready.put(("end", rank))
+        msg = (batch_id, slot, im, lab, ids, crc)
+        size = size or _shared_message_bytes(msg)
+        ready.put(msg)
+    ready.put(("end", rank, size))
+
+
+def _shared_message_bytes(msg: tuple[Any, ...]) -> int:
+    """Pickle bytes of a ring message, measured on look-alike arrays of this process.
+
+    Pickling a handle without sending it would pin its block in the creator (the parent) until
+    it exits (see ``memory/release.py``), so the look-alikes are this loader's own blocks,
+    freed when it exits. Their handles have the same fields as the ring views'.
+    """
+    twins = tuple(tensormp.empty_like(a) for a in msg[2:5])
+    return len(tensormp.reducers.dumps((*msg[:2], *twins, msg[5])).data)
 
 
 def _stdlib_loader(
@@ -247,14 +261,17 @@ def _stdlib_loader(
 ) -> None:
     """Loader ``rank`` of the stdlib pipeline: a fresh batch each time, pickled by the queue."""
     image_shape, batch = shapes
+    size = 0
     for batch_id in range(rank, nbatches, nloaders):
         im = np.empty(image_shape, np.float32)
         lab = np.empty(batch, np.int64)
         ids = np.empty(batch, np.int64)
         fill_batch(images, labels, batch_id, seed, im, lab, ids)
         crc = batch_crc(im, lab, ids) if verify else None
-        ready.put((batch_id, None, im, lab, ids, crc))
-    ready.put(("end", rank))
+        msg = (batch_id, None, im, lab, ids, crc)
+        size = size or len(ForkingPickler.dumps(msg))  # what the queue's feeder thread writes
+        ready.put(msg)
+    ready.put(("end", rank, size))
     ready.close()
     ready.join_thread()  # flush the feeder thread before the process exits
 
@@ -272,13 +289,6 @@ def _get(ready: Any, procs: Any) -> Any:
                 raise TimeoutError(
                     f"no batch arrived within {_STALL_TIMEOUT_S:.0f} s; the loaders seem stuck"
                 ) from None
-
-
-def _queue_bytes(mode: str, sample: tuple[Any, ...]) -> int:
-    """Bytes one ``ready`` message puts through the queue's pipe or socket."""
-    if mode == "shared":
-        return len(tensormp.reducers.dumps(sample).data) + 12  # + the frame header
-    return len(ForkingPickler.dumps(sample, pickle.HIGHEST_PROTOCOL)) + 4  # + the length prefix
 
 
 def run(
@@ -347,7 +357,6 @@ def run(
             channels += [free, ready]
             for slot in range(slots):
                 free.put(slot)
-            sample: tuple[Any, ...] = (0, 0, ring[0][0], ring[1][0], ring[2][0], None)
             args: tuple[Any, ...] = (loaders, images, labels, ring, free, ready, batches, seed,
                                      verify)
             procs = tensormp.spawn(_shared_loader, args=args, nprocs=loaders, join=False)
@@ -358,13 +367,9 @@ def run(
             ready = multiprocessing.get_context("spawn").Queue(maxsize=slots)
             channels.append(ready)
             shapes = ((batch_size, size, size), batch_size)
-            sample = (0, None, np.zeros(shapes[0], np.float32), np.zeros(batch_size, np.int64),
-                      np.zeros(batch_size, np.int64), None)
             args = (loaders, images, labels, shapes, ready, batches, seed, verify)
             procs = tensormp.spawn(_stdlib_loader, args=args, nprocs=loaders, join=False)
-        result.batch_bytes = sum(a.nbytes for a in sample[2:5])
-        result.queue_bytes_per_batch = _queue_bytes(mode, sample)
-        del sample
+        result.batch_bytes = batch_size * (size * size * 4 + 2 * 8)  # images, labels, ids
 
         seen = np.zeros(batches, bool)
         hist = np.zeros(10, np.int64)
@@ -375,6 +380,7 @@ def run(
             msg = _get(ready, procs)
             if msg[0] == "end":
                 ended += 1
+                result.queue_bytes_per_batch = max(result.queue_bytes_per_batch, msg[2])
                 continue
             batch_id, slot, im, lab, ids, crc = msg
             if seen[batch_id]:

@@ -11,44 +11,46 @@ allocation from a free list costs no syscall. Larger requests get a segment of t
 Each process sees a block through one *root*: a 1-D ``uint8`` ndarray over the block's bytes.
 Every array tensormp hands out is a view of a root, so numpy's ``base`` chain leads from any
 view back to its root, and the root's lifetime is the block's lifetime in this process. A
-weakref callback on the root tells the allocator when the last view is gone.
+weakref callback on the root tells us when the last view is gone.
 
-Who owns what:
+Who owns what, who frees what:
 * The *creator* of a segment (the process whose allocator made it) is the only process that
-  ever reuses its blocks. Other processes (receivers, forked children) only map, read, write,
-  forward and finally unmap; their roots on a foreign segment are never recycled.
-* A block that has crossed to another process (a handle was pickled for it) or that was alive
-  when this process forked is marked ``shared_out``. The creator never reuses a
-  ``shared_out`` block: another process may still read it. When the creator's last view dies
-  the block is *retired*; an arena whose blocks are all retired is unmapped, and a large
-  segment is unmapped at once. The kernel frees the memory when the last process holding an fd
-  or mapping lets go. (Cross-process release tracking, so that such blocks can be recycled,
-  is the transfer-performance work and would plug in exactly here: ``_free_locked``.)
-* A block that never left the process goes back to a free list (small) or to the cache of
-  large segments, bounded by the cache limit (``TENSORMP_CACHE_BYTES``,
-  :func:`set_cache_limit`); :func:`empty_cache` unmaps all of it.
+  ever reuses its blocks. Its count of *remote* holds on a block is: handles it pickled, plus
+  acquires from processes that forwarded the block, minus counts released by receivers
+  (``release.py`` has the protocol). It recycles a block (free list, or cache of large
+  segments, bounded by the cache limit) when its own root is dead and the remote count is 0.
+* A receiver's root on a foreign block counts the handles it rebuilt into it; when the root
+  dies, it sends that count back to the creator. The receiver keeps the segment mapped in an
+  LRU cache of idle foreign mappings (bounded in bytes and number), so the next array in the
+  same segment costs no mmap and no page faults. ``empty_cache()`` unmaps them.
+* Blocks alive when a process forks are *pinned*: the child can write them through memory it
+  inherited without ever sending a release, so the parent never recycles them.
 
-What each party sees when another is SIGKILLed at any point: nothing to clean up. There is
-no name and no shared counter; memory is held by fds and mappings, which the kernel drops
-with the dead process. A receiver keeps its mapping valid after the creator died.
+What each party sees when another is SIGKILLed at any line: nothing to clean up. There is no
+name and no shared counter; memory is held by fds and mappings, which the kernel drops with the
+dead process. A receiver keeps a valid mapping after the creator died. A creator whose receiver
+died keeps that block pinned (never reused too early) until it exits.
 
 Threads and fork: all state is guarded by one lock. Weakref callbacks can run inside any
-allocation (garbage collection), so they never take the lock themselves when it is held:
-they queue the dead block and whoever holds the lock drains the queue before releasing it.
-``os.register_at_fork`` marks every live block ``shared_out`` in the parent and gives the
-child a fresh allocator (empty free lists): parent and child never hand out the same block.
+allocation (garbage collection), so they never wait for the lock: they queue the dead block
+and whoever holds the lock drains the queue before releasing it. ``os.register_at_fork`` pins
+every live block in the parent and gives the child a fresh allocator (empty free lists, no
+release server): parent and child never hand out the same block.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from . import release
 from .segment import PAGE_SIZE, Segment, format_bytes
 
 __all__ = [
@@ -56,6 +58,9 @@ __all__ = [
     "allocate",
     "attach",
     "find_block",
+    "note_handle",
+    "forget_handle",
+    "release_all_received",
     "memory_stats",
     "empty_cache",
     "set_cache_limit",
@@ -65,6 +70,7 @@ __all__ = [
 SMALL_MAX = 1 << 20  # requests up to 1 MiB share arenas
 MIN_CLASS = 64  # smallest size class and the alignment of every block
 ARENA_MIN = 4 << 20  # arenas hold at least 16 blocks and at least 4 MiB
+FOREIGN_CACHE_MAX = 64  # idle mappings of other processes' segments kept (fds)
 _DEFAULT_CACHE_LIMIT = 1 << 30
 
 
@@ -97,11 +103,14 @@ class Block:
         offset: byte offset of the block in the segment.
         capacity: bytes in the block (>= the bytes requested).
         owned: True when this process's allocator handed it out (and may recycle it).
-        shared_out: True once a handle to it left this process (or it was alive at a fork).
+        remote: (owned blocks) handles held or in flight in other processes.
+        received: (foreign blocks) handles this process rebuilt into this root.
+        pinned: never recycle (it was alive at a fork).
     """
 
     __slots__ = (
-        "segment", "offset", "capacity", "owned", "owner_pid", "shared_out", "ref", "root_id"
+        "segment", "offset", "capacity", "owned", "owner_pid", "remote", "received", "pinned",
+        "holders", "ref", "root_id",
     )
 
     def __init__(self, segment: Segment, offset: int, capacity: int, owned: bool) -> None:
@@ -110,14 +119,18 @@ class Block:
         self.capacity = capacity
         self.owned = owned
         self.owner_pid = os.getpid()
-        self.shared_out = False
+        self.remote = 0
+        self.received = 0
+        self.pinned = False
+        self.holders: dict[tuple[int, int], int] | None = None  # (pid, start) -> handles held
         self.ref: _RootRef | None = None
         self.root_id = 0
 
     def __repr__(self) -> str:
+        live = self.ref is not None and self.ref() is not None
         return (
             f"<Block {format_bytes(self.capacity)} at +{self.offset} of {self.segment!r} "
-            f"owned={self.owned} shared_out={self.shared_out}>"
+            f"owned={self.owned} live={live} remote={self.remote} pinned={self.pinned}>"
         )
 
 
@@ -127,9 +140,9 @@ class _Arena:
     block_size: int
     nslots: int
     bumped: int = 0  # slots handed out by bumping so far
-    live: int = 0  # owned roots alive
+    live: int = 0  # slots handed out and not yet back
     free: int = 0  # slots in the free list
-    retired: int = 0  # slots that left the process and are never reused
+    retired: int = 0  # pinned slots, never reused
 
 
 class _Allocator:
@@ -144,6 +157,14 @@ class _Allocator:
         self.large_cache: list[Segment] = []
         self.cached_bytes = 0
         self.in_use_bytes = 0
+        self.remote_held_bytes = 0
+        self.remote_held: dict[tuple[bytes, int], Block] = {}  # blocks with remote > 0
+        self.server: release.ReleaseServer | None = None
+
+    def address(self) -> bytes:
+        if self.server is None:
+            self.server = release.ReleaseServer(_on_release_record, _sweep_dead_holders)
+        return self.server.address
 
     # -- allocation ---------------------------------------------------------------------------
     def allocate(self, nbytes: int) -> Block:
@@ -187,12 +208,18 @@ class _Allocator:
         return Block(seg, 0, seg.size, owned=True)
 
     # -- release ------------------------------------------------------------------------------
-    def release(self, block: Block) -> None:
-        """The owned root of ``block`` died: recycle, cache, retire or unmap."""
+    def root_died(self, block: Block) -> None:
+        """The owned root of ``block`` died: recycle it now, or once remote holds are gone."""
+        if block.remote > 0 and not block.pinned:
+            self.remote_held_bytes += block.capacity
+            return  # _on_release_record recycles it when the count reaches zero
+        self.recycle(block)
+
+    def recycle(self, block: Block) -> None:
         seg = block.segment
         self.in_use_bytes -= block.capacity
         if seg.kind == "large":
-            if block.shared_out or block.capacity > self.cache_limit:
+            if block.pinned or block.capacity > self.cache_limit:
                 _close_if_unused(seg)
             else:
                 self.large_cache.append(seg)
@@ -201,7 +228,7 @@ class _Allocator:
             return
         arena = self.arenas[seg.id]
         arena.live -= 1
-        if block.shared_out:
+        if block.pinned:
             arena.retired += 1
         else:
             arena.free += 1
@@ -236,12 +263,18 @@ class _Allocator:
                     break
                 self._drop_arena(arena)
 
+    def manages(self, seg: Segment) -> bool:
+        return seg.id in self.arenas or seg in self.large_cache
+
 
 # -- process-wide state (reset in a forked child) --------------------------------------------
 _lock = threading.Lock()
-_pending: collections.deque[Block] = collections.deque()
+# Blocks whose root died, and ("forget", block) for unsent handles: queued by callbacks that
+# may run while this thread holds the lock (garbage collection), processed under the lock.
+_pending: collections.deque[Block | tuple[str, Block]] = collections.deque()
 _segments: dict[bytes, Segment] = {}  # every segment mapped in this process, by id
 _root_blocks: dict[int, Block] = {}  # id(root array) -> block (checked against block.ref)
+_foreign_idle: collections.OrderedDict[bytes, Segment] = collections.OrderedDict()
 _allocator = _Allocator(_env_cache_limit())
 
 
@@ -253,8 +286,7 @@ class _Locked:
 
     def __exit__(self, *exc: object) -> None:
         try:
-            while _pending:
-                _free_locked(_pending.popleft())
+            _process_pending_locked()
         finally:
             _lock.release()
         if _pending:
@@ -264,11 +296,21 @@ class _Locked:
 _locked = _Locked()
 
 
+def _process_pending_locked() -> None:
+    while _pending:
+        item = _pending.popleft()
+        if isinstance(item, Block):
+            _free_locked(item)
+        else:  # ("forget", block): an unsent handle to our block
+            block = item[1]
+            if (block.segment.id, block.offset) in _allocator.remote_held:
+                _drop_remote_locked(block, 1)
+
+
 def _drain() -> None:
     while _pending and _lock.acquire(blocking=False):
         try:
-            while _pending:
-                _free_locked(_pending.popleft())
+            _process_pending_locked()
         finally:
             _lock.release()
 
@@ -285,10 +327,27 @@ def _free_locked(block: Block) -> None:
     if _root_blocks.get(block.root_id) is block:
         del _root_blocks[block.root_id]
     if block.owned and block.owner_pid == _allocator.pid:
-        _allocator.release(block)
-    elif not (seg.kind == "arena" and seg.id in _allocator.arenas) and not (
-        seg in _allocator.large_cache
-    ):
+        _allocator.root_died(block)
+        return
+    if block.received and seg.owner_addr and seg.creator_pid != os.getpid():
+        record = release.pack(b"R", seg.id, block.offset, block.received)
+        release.send_records(seg.owner_addr, record, block=False, retry=True)
+    if not seg.roots and not seg.closed and not _allocator.manages(seg):
+        _keep_idle_foreign(seg)
+
+
+def _keep_idle_foreign(seg: Segment) -> None:
+    """Keep an idle mapping of another process's segment for reuse (bounded LRU)."""
+    _foreign_idle[seg.id] = seg
+    _foreign_idle.move_to_end(seg.id)
+    _trim_foreign(_allocator.cache_limit)
+
+
+def _trim_foreign(limit_bytes: int) -> None:
+    total = sum(s.size for s in _foreign_idle.values())
+    while _foreign_idle and (total > limit_bytes or len(_foreign_idle) > FOREIGN_CACHE_MAX):
+        _, seg = _foreign_idle.popitem(last=False)
+        total -= seg.size
         _close_if_unused(seg)
 
 
@@ -297,7 +356,85 @@ def _close_if_unused(seg: Segment) -> None:
         return
     if _segments.get(seg.id) is seg:
         del _segments[seg.id]
+    _foreign_idle.pop(seg.id, None)
     seg.close()
+
+
+_start_times: dict[int, int | None] = {}  # pid -> start time, for holders we have seen
+
+
+def _on_release_record(op: bytes, seg_id: bytes, offset: int, count: int, pid: int = 0) -> None:
+    """Release server thread: another process acquired, holds or released our block."""
+    with _locked:
+        block = _allocator.remote_held.get((seg_id, offset))
+        if block is None:
+            return  # unknown (already recycled, pinned at a fork, or not ours)
+        if op == b"A":
+            block.remote += count
+            return
+        if pid:
+            start = _start_times.get(pid)
+            if start is None:
+                start = _start_times[pid] = release.process_start_time(pid)
+            key = (pid, start or 0)
+            holders = block.holders if block.holders is not None else {}
+            block.holders = holders
+            held = holders.get(key, 0) + (count if op == b"H" else -count)
+            if held > 0:
+                holders[key] = held
+            else:
+                holders.pop(key, None)
+        if op == b"R":
+            _drop_remote_locked(block, count)
+
+
+def _drop_remote_locked(block: Block, count: int) -> None:
+    block.remote -= count
+    if block.remote > 0:
+        return
+    block.remote = 0
+    block.holders = None
+    del _allocator.remote_held[(block.segment.id, block.offset)]
+    if block.ref is None or block.ref() is None:  # our own view is gone too
+        _allocator.remote_held_bytes -= block.capacity
+        _allocator.recycle(block)
+
+
+def _sweep_dead_holders() -> None:
+    """Release server thread, about once a second: forget holds of processes that died."""
+    with _locked:
+        blocks = [b for b in _allocator.remote_held.values() if b.holders]
+        alive: dict[tuple[int, int], bool] = {}
+        for block in blocks:
+            for key in list(block.holders or ()):
+                if key not in alive:
+                    alive[key] = release.process_start_time(key[0]) == (key[1] or None)
+                if not alive[key] and block.holders is not None:
+                    _drop_remote_locked(block, block.holders.pop(key))
+        for pid in [p for p, st in _start_times.items() if not alive.get((p, st or 0), True)]:
+            del _start_times[pid]
+
+
+def release_all_received() -> None:
+    """This process is exiting: tell every creator that it lets go of what it received.
+
+    Called when a tensormp ``Process`` finishes (its arrays are never used again) and at
+    interpreter exit, so creators can recycle at once instead of waiting for a liveness check.
+    """
+    with _locked:
+        by_owner: dict[bytes, list[bytes]] = collections.defaultdict(list)
+        for block in _root_blocks.values():
+            seg = block.segment
+            if block.received and seg.owner_addr and seg.creator_pid != os.getpid():
+                by_owner[seg.owner_addr].append(
+                    release.pack(b"R", seg.id, block.offset, block.received)
+                )
+                block.received = 0
+        release.flush(block=True)
+        for addr, records in by_owner.items():
+            for start in range(0, len(records), 128):
+                batch = b"".join(records[start : start + 128])
+                release.send_records(addr, batch, block=True)
 
 
 def _make_root_locked(block: Block) -> np.ndarray:
@@ -343,17 +480,49 @@ def find_block(obj: object) -> tuple[Block, np.ndarray] | None:
     return None
 
 
-def lookup_segment(seg_id: bytes) -> Segment | None:
-    """The open segment with this id in this process, if any (used when rebuilding)."""
-    return _segments.get(seg_id)
+def note_handle(block: Block) -> bytes:
+    """A handle to ``block`` is being pickled; returns the address receivers release to.
+
+    The creator counts the handle; a forwarding process first tells the creator (blocking
+    ``acquire``) so the block cannot be recycled while the forwarded handle is out.
+    """
+    seg = block.segment
+    with _locked:
+        if block.owned and block.owner_pid == _allocator.pid:
+            if block.pinned:
+                return b""
+            if seg.owner_addr == b"":
+                seg.owner_addr = _allocator.address()
+            if block.remote == 0:
+                _allocator.remote_held[(seg.id, block.offset)] = block
+            block.remote += 1
+            return seg.owner_addr
+        addr = seg.owner_addr
+    if addr and seg.creator_pid != os.getpid():
+        release.send_records(addr, release.pack(b"A", seg.id, block.offset, 1), block=True)
+    return addr
+
+
+def forget_handle(block: Block) -> None:
+    """Undo :func:`note_handle` for a handle that was never sent (pickling or put failed, or
+    the message was dropped unsent). Safe to call from a finalizer."""
+    seg = block.segment
+    if block.owned and block.owner_pid == _allocator.pid:
+        if not block.pinned and seg.owner_addr:
+            _pending.append(("forget", block))  # may run from a finalizer: never wait here
+            _drain()
+    elif seg.owner_addr and seg.creator_pid != os.getpid():
+        record = release.pack(b"R", seg.id, block.offset, 1)
+        release.send_records(seg.owner_addr, record, block=False, retry=True)
 
 
 def attach(
     seg_id: bytes,
-    take_fd: "collections.abc.Callable[[], int]",
+    take_fd: Callable[[], int],
     size: int,
     creator_pid: int,
     kind: str,
+    owner_addr: bytes,
     offset: int,
     capacity: int,
 ) -> np.ndarray:
@@ -361,37 +530,64 @@ def attach(
 
     Reuses this process's mapping of the segment (and its live root of the block) when it
     has one; otherwise calls ``take_fd()`` for the fd that came with the message and maps it.
+    Counts the handle (see the module notes).
     """
     with _locked:
         seg = _segments.get(seg_id)
         if seg is None or seg.closed:
             seg = Segment.attach(seg_id, take_fd(), size, creator_pid, kind)
+            seg.owner_addr = owner_addr
             _segments[seg_id] = seg
+        else:
+            _foreign_idle.pop(seg_id, None)
+        if owner_addr and not seg.owner_addr:
+            seg.owner_addr = owner_addr
+        if creator_pid == _allocator.pid and seg.creator_pid == creator_pid:
+            held = _allocator.remote_held.get((seg_id, offset))
+            if held is not None:  # our own block came back: that handle is consumed here
+                held.remote -= 1
+                if held.remote == 0:
+                    del _allocator.remote_held[(seg_id, offset)]
+                root = held.ref() if held.ref is not None else None
+                if root is not None:
+                    return root  # type: ignore[return-value]
+                if held.remote == 0:
+                    _allocator.remote_held_bytes -= held.capacity
+                else:
+                    _allocator.remote_held[(seg_id, offset)] = held
+                return _make_root_locked(held)  # our block, alive again
         ref = seg.roots.get(offset)
         root = ref() if ref is not None else None
-        if root is not None and len(root) >= capacity:  # type: ignore[arg-type]
-            return root  # type: ignore[return-value]
-        return _make_root_locked(Block(seg, offset, capacity, owned=False))
-
-
-def mark_shared_out(block: Block) -> None:
-    """Record that a handle to ``block`` left this process: never recycle it."""
-    block.shared_out = True
+        if root is not None and root.nbytes >= capacity:  # type: ignore[attr-defined]
+            block = _root_blocks[id(root)]
+        else:
+            block = Block(seg, offset, capacity, owned=False)
+            root = _make_root_locked(block)
+        if not block.owned:
+            block.received += 1
+            if seg.owner_addr and seg.creator_pid != os.getpid():
+                record = release.pack(b"H", seg.id, offset, 1)
+                release.send_records(seg.owner_addr, record, block=False)
+        return root  # type: ignore[return-value]
 
 
 def memory_stats() -> dict[str, int]:
     """Counters of this process's shared memory, in bytes and counts.
 
-    Keys: ``in_use_bytes`` (blocks handed out by this process and alive), ``cached_bytes``
-    (reserved but not handed out: free blocks, unused arena space, cached segments), ``cache_limit_bytes``, ``segments`` (mapped
-    in this process, own and received), ``mapped_bytes``, ``fds`` (segment fds held),
-    ``arenas``, ``blocks`` (live roots).
+    Keys: ``in_use_bytes`` (blocks this process allocated that are alive here or elsewhere),
+    ``cached_bytes`` (reserved but not handed out: free blocks, unused arena space, cached
+    large segments), ``remote_held_bytes`` (blocks dropped here but still held, or unreceived,
+    in other processes), ``foreign_cached_bytes`` (idle mappings of other processes' segments
+    kept for reuse), ``cache_limit_bytes``, ``segments`` and ``mapped_bytes`` (mapped in this
+    process, own and received), ``fds`` (segment fds held), ``arenas``, ``blocks`` (live roots).
     """
     with _locked:
         segs = [s for s in _segments.values() if not s.closed]
         return {
             "in_use_bytes": _allocator.in_use_bytes,
             "cached_bytes": _allocator.cached_bytes,
+            "remote_held_bytes": _allocator.remote_held_bytes,
+            "foreign_cached_bytes": sum(s.size for s in _foreign_idle.values()),
             "cache_limit_bytes": _allocator.cache_limit,
             "segments": len(segs),
             "mapped_bytes": sum(s.size for s in segs),
@@ -402,24 +598,29 @@ def memory_stats() -> dict[str, int]:
 
 
 def empty_cache() -> None:
-    """Unmap every cached (free) block and segment of this process, as ``torch.cuda.empty_cache``."""
+    """Unmap every cached block and idle mapping of this process (as
+    ``torch.cuda.empty_cache``): free blocks, unused arenas, cached large segments, and idle
+    mappings of other processes' segments. Memory in use is untouched."""
     with _locked:
         _allocator._trim(0)
+        _trim_foreign(0)
 
 
 def set_cache_limit(nbytes: int) -> None:
     """Cap the bytes of free shared memory this process keeps for reuse (default 1 GiB).
 
-    Also settable with the ``TENSORMP_CACHE_BYTES`` environment variable.
+    The same cap applies separately to idle mappings of other processes' segments. Also
+    settable with the ``TENSORMP_CACHE_BYTES`` environment variable.
 
     Raises:
-        ValueError: ``nbytes`` is negative.
+        ValueError: ``nbytes`` is not a non-negative int.
     """
     if not isinstance(nbytes, int) or nbytes < 0:
         raise ValueError(f"cache limit must be a non-negative int of bytes, got {nbytes!r}")
     with _locked:
         _allocator.cache_limit = nbytes
         _allocator._trim()
+        _trim_foreign(nbytes)
 
 
 def get_cache_limit() -> int:
@@ -436,7 +637,7 @@ def _after_fork_in_parent() -> None:
     # The child inherits every live block: none of them may be recycled by the parent now.
     try:
         for block in _root_blocks.values():
-            block.shared_out = True
+            block.pinned = True
     finally:
         _lock.release()
     _drain()
@@ -447,14 +648,20 @@ def _after_fork_in_child() -> None:
     _lock = threading.Lock()
     _pending = collections.deque()
     for block in _root_blocks.values():
-        block.shared_out = True
+        block.pinned = True
+        block.received = 0  # the parent releases what it received, not us
+    if _allocator.server is not None:
+        _allocator.server.detach_after_fork()
+    release.reset_after_fork()
     # Inherited segments and roots stay valid (the mappings are inherited); none is owned here.
     _allocator = _Allocator(_allocator.cache_limit)
+    _foreign_idle.clear()
     for seg in list(_segments.values()):
         if not seg.roots:
             _close_if_unused(seg)
 
 
+atexit.register(release_all_received)
 os.register_at_fork(
     before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
 )

@@ -98,7 +98,8 @@ class Segment:
     """
 
     __slots__ = (
-        "id", "fd", "size", "creator_pid", "address", "buffer", "kind", "roots", "__weakref__"
+        "id", "fd", "size", "creator_pid", "owner_addr", "address", "buffer", "kind", "roots",
+        "__weakref__",
     )
 
     def __init__(self, seg_id: bytes, fd: int, size: int, creator_pid: int, kind: str) -> None:
@@ -107,6 +108,7 @@ class Segment:
         self.size = size
         self.creator_pid = creator_pid
         self.kind = kind  # "arena" (many small blocks) or "large" (one block)
+        self.owner_addr = b""  # the creator's release address (memory/release.py), once known
         try:
             self.address = _map(fd, size)
         except OSError as e:

@@ -73,13 +73,35 @@ class Message:
             message alive until it is sent.
     """
 
-    __slots__ = ("data", "fds", "keepalive", "_index")
+    __slots__ = ("data", "fds", "keepalive", "_index", "_undo")
 
     def __init__(self) -> None:
         self.data = b""
         self.fds: list[int] = []
         self.keepalive: list[object] = []
         self._index: dict[object, int] = {}
+        self._undo: list[Callable[[], None]] = []
+
+    def on_abandon(self, undo: Callable[[], None]) -> None:
+        """Register ``undo`` to run if this message is never sent (see :meth:`abandon`)."""
+        self._undo.append(undo)
+
+    def abandon(self) -> None:
+        """The message will not be sent: give back what pickling it reserved (idempotent).
+
+        Also runs when a message that was never marked :meth:`sent` is garbage collected.
+        """
+        undo, self._undo = self._undo, []
+        for fn in reversed(undo):
+            fn()
+
+    def sent(self) -> None:
+        """The message left this process (its handles are now the receivers' to release)."""
+        self._undo = []
+
+    def __del__(self) -> None:
+        if self._undo:
+            self.abandon()
 
     def add_fd(self, fd: int, key: object, owner: object) -> int:
         """Attach ``fd`` (owned by ``owner``; deduplicated by ``key``); returns its index."""
@@ -115,6 +137,9 @@ def dumps(obj: object) -> Message:
         buf = io.BytesIO()
         _Pickler(buf).dump(obj)
         msg.data = buf.getvalue()
+    except BaseException:
+        msg.abandon()
+        raise
     finally:
         stack.pop()
     return msg

@@ -1,8 +1,8 @@
 """Reduce/rebuild pair for ``numpy.ndarray``.
 
-A handle is ``(segment id, fd index, segment size, creator pid, segment kind, block offset,
-block capacity, byte offset of the first element in the block, dtype, shape, strides,
-read-only)``: about 150 bytes whatever the array's size. The bytes themselves never enter
+A handle is ``(segment id, fd index, segment size, creator pid, segment kind, creator's release
+address, block offset, block capacity, byte offset of the first element in the block, dtype,
+shape, strides, read-only)``: about 200 bytes whatever the array's size. The bytes themselves never enter
 the pickle.
 
 * An array whose memory is a tensormp block (allocated by tensormp, ``share()``d, or received)
@@ -23,15 +23,10 @@ from typing import Any
 import numpy as np
 
 from .. import memory
-from ..memory.allocator import find_block, mark_shared_out
+from ..memory.allocator import find_block, forget_handle, note_handle
 from . import current_message, register, take_fd
 
-__all__ = ["reduce_ndarray", "rebuild_ndarray", "copy_to_shared", "data_offset"]
-
-
-def data_offset(a: np.ndarray, root: np.ndarray) -> int:
-    """Byte offset of ``a``'s first element from the start of ``root``."""
-    return a.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+__all__ = ["reduce_ndarray", "rebuild_ndarray", "copy_to_shared"]
 
 
 def copy_to_shared(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -43,23 +38,25 @@ def copy_to_shared(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return out, root
 
 
+def _dtype_token(dt: np.dtype) -> Any:
+    # A plain dtype travels as its short string ('<f4'): much cheaper to pickle than the object.
+    return dt.str if dt.fields is None and dt.subdtype is None and dt.metadata is None else dt
+
+
 def reduce_ndarray(a: np.ndarray) -> Any:
     msg = current_message()
     if msg is None or a.dtype.hasobject:
         return a.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    readonly = not a.flags.writeable
     found = find_block(a)
     if found is None:
-        copy, root = copy_to_shared(a)
+        a, root = copy_to_shared(a)
         found = find_block(root)
         assert found is not None
-        msg.keepalive.append(root)
-        a_readonly = not a.flags.writeable
-        a = copy
-    else:
-        a_readonly = not a.flags.writeable
     block, root = found
     seg = block.segment
-    mark_shared_out(block)
+    owner_addr = note_handle(block)
+    msg.on_abandon(lambda: forget_handle(block))
     index = msg.add_fd(seg.fd, seg.id, seg)
     msg.keepalive.append(root)
     return rebuild_ndarray, (
@@ -68,13 +65,14 @@ def reduce_ndarray(a: np.ndarray) -> Any:
         seg.size,
         seg.creator_pid,
         seg.kind,
+        owner_addr,
         block.offset,
         block.capacity,
-        data_offset(a, root),
-        a.dtype,
+        a.__array_interface__["data"][0] - seg.address - block.offset,
+        _dtype_token(a.dtype),
         a.shape,
         a.strides,
-        a_readonly,
+        readonly,
     )
 
 
@@ -84,16 +82,24 @@ def rebuild_ndarray(
     seg_size: int,
     creator_pid: int,
     kind: str,
+    owner_addr: bytes,
     block_offset: int,
     capacity: int,
     offset: int,
-    dtype: np.dtype,
+    dtype: Any,
     shape: tuple[int, ...],
     strides: tuple[int, ...],
     readonly: bool,
 ) -> np.ndarray:
     root = memory.attach(
-        seg_id, lambda: take_fd(fd_index), seg_size, creator_pid, kind, block_offset, capacity
+        seg_id,
+        lambda: take_fd(fd_index),
+        seg_size,
+        creator_pid,
+        kind,
+        owner_addr,
+        block_offset,
+        capacity,
     )
     a = np.ndarray(shape, dtype, buffer=root, offset=offset, strides=strides)
     if readonly:

@@ -1,0 +1,207 @@
+"""The release channel: how other processes tell a segment's creator what they hold.
+
+Protocol
+--------
+The creator of a segment (the only process that recycles its blocks) binds a Unix datagram
+socket in the abstract namespace, ``\\0tensormp-<pid>-<16 random hex>``, the first time one of
+its blocks leaves the process, and a daemon thread reads it. The address travels in every handle
+(``Segment.owner_addr``); it is unguessable, and the server drops datagrams whose sender's uid
+(``SO_PASSCRED``) is not its own.
+
+A datagram holds records ``(op, segment id, block offset, count)``; the sender's pid comes
+from the kernel (``SCM_CREDENTIALS``), never from the record:
+
+* ``H`` hold: the sender rebuilt ``count`` handles to the block (sent on every rebuild).
+* ``R`` release: the sender's last view of the block died; it had rebuilt ``count`` handles.
+  Sent from the weakref callback of the receiver's block root, and for every held block when
+  a tensormp process exits normally.
+* ``A`` acquire: a process that is not the creator pickled a handle to the block (it forwards
+  an array it received). Sent *blocking* before the message leaves, so the creator counts that
+  handle before the forwarded receiver can ever release it (datagrams from one sender arrive in
+  order, and the forward's receiver only releases after the forwarder's acquire was queued).
+
+``H`` and ``R`` never block the caller. An ``H`` that finds the creator's buffer full is
+dropped (the creator then cannot free that hold if the receiver dies); an ``R`` is kept and sent
+again before the next records and, blocking for at most 2 s, when the process exits. A record
+that cannot be delivered at all leaves its block pinned in the creator: memory held longer,
+never reused too early.
+
+The creator counts, per block, handles it pickled plus acquires minus released counts; it
+recycles a block when that count is zero and its own last view is dead. It also records which
+live process holds how many (``H``), and its server thread checks about once a second that
+those processes still live (pid plus start time, so a reused pid is not mistaken for the
+holder): a SIGKILLed receiver cannot pin memory. What it cannot learn: a handle that is never
+rebuilt (a message dropped unread, a receiver killed before ``get``) pins its block until the
+creator exits. Bounded, visible in ``memory_stats()`` (``remote_held_bytes``), never unsafe.
+
+SIGKILL of the creator: senders get ``ECONNREFUSED`` and stop caring; receivers keep valid
+memory (the kernel frees a memfd only when the last fd and mapping are gone). SIGKILL of a
+receiver: its releases never come; see above.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import struct
+import threading
+from collections.abc import Callable
+
+__all__ = [
+    "ReleaseServer", "send_records", "flush", "pack", "process_start_time", "reset_after_fork",
+]
+
+_RECORD = struct.Struct("<c16sQI")
+_UCRED = struct.Struct("iII")  # pid, uid, gid
+_MAX_RECORDS = 256
+
+
+def pack(op: bytes, seg_id: bytes, offset: int, count: int) -> bytes:
+    return _RECORD.pack(op, seg_id, offset, count)
+
+
+def process_start_time(pid: int) -> int | None:
+    """The start time of ``pid`` (clock ticks since boot), or None if no such process.
+
+    A (pid, start time) pair names a process for good: pids are reused, start times are not.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return int(fields[19])  # field 22 of the whole line
+
+
+class ReleaseServer:
+    """The creator's end: a bound datagram socket and the thread that reads it.
+
+    ``handler(op, seg_id, offset, count, pid)`` runs for each record (``pid``: the sender, from
+    ``SO_PASSCRED``); ``sweep()`` runs about every ``sweep_interval`` seconds.
+    """
+
+    def __init__(
+        self,
+        handler: Callable[[bytes, bytes, int, int, int], None],
+        sweep: Callable[[], None],
+        sweep_interval: float = 1.0,
+    ) -> None:
+        self.address = f"\0tensormp-{os.getpid()}-{os.urandom(8).hex()}".encode()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        self._sock.bind(self.address)
+        self._sock.settimeout(sweep_interval)
+        self._handler = handler
+        self._sweep = sweep
+        self._uid = os.getuid()
+        self._thread = threading.Thread(target=self._serve, name="tensormp release", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        sock = self._sock
+        while True:
+            try:
+                data, anc, _flags, _addr = sock.recvmsg(
+                    _RECORD.size * _MAX_RECORDS, socket.CMSG_SPACE(_UCRED.size)
+                )
+            except TimeoutError:
+                self._safely(self._sweep)
+                continue
+            except OSError:
+                return  # closed (fork child, interpreter exit)
+            pid = uid = None
+            for level, kind, payload in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                    pid, uid, _gid = _UCRED.unpack(payload[: _UCRED.size])
+            if uid != self._uid or pid is None:
+                continue  # not one of ours: ignore
+            for start in range(0, len(data) - len(data) % _RECORD.size, _RECORD.size):
+                op, seg_id, offset, count = _RECORD.unpack_from(data, start)
+                self._safely(self._handler, op, seg_id, offset, count, pid)
+
+    @staticmethod
+    def _safely(fn: Callable[..., None], *args: object) -> None:
+        try:
+            fn(*args)
+        except Exception:  # pragma: no cover - a bug; keep serving
+            import traceback
+
+            traceback.print_exc()
+
+    def detach_after_fork(self) -> None:
+        """In a forked child: drop the inherited socket without touching the parent's thread."""
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+
+_clients: dict[bool, socket.socket] = {}  # blocking (with a timeout) -> socket
+_unsent: list[tuple[bytes, bytes]] = []  # releases that found a full buffer: retried later
+_BLOCKING_TIMEOUT = 2.0
+
+
+def _client_socket(blocking: bool = False) -> socket.socket:
+    sock = _clients.get(blocking)
+    if sock is None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        if blocking:
+            sock.settimeout(_BLOCKING_TIMEOUT)
+        else:
+            sock.setblocking(False)
+        _clients[blocking] = sock
+    return sock
+
+
+def _sendto(address: bytes, data: bytes, blocking: bool) -> bool | None:
+    """True: sent; False: the creator is gone; None: its buffer is full (or timed out)."""
+    try:
+        _client_socket(blocking).sendto(data, address)
+        return True
+    except (BlockingIOError, TimeoutError):
+        return None
+    except OSError as e:
+        if e.errno in (errno.ECONNREFUSED, errno.ENOENT):
+            return False
+        if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS):
+            return None
+        raise
+
+
+def send_records(address: bytes, data: bytes, block: bool, retry: bool = False) -> bool:
+    """Send records to a creator; False when it is gone or (``block=False``) busy.
+
+    With ``retry``, records that find the creator's buffer full are kept and sent again
+    before the next records go out (and at exit, see :func:`flush`), so they are not lost.
+    """
+    if _unsent:
+        flush(block=False)
+    if _unsent and retry:
+        _unsent.append((address, data))  # keep the order behind what is already waiting
+        return False
+    sent = _sendto(address, data, block)
+    if sent is None and retry:
+        _unsent.append((address, data))
+    return bool(sent)
+
+
+def flush(block: bool) -> None:
+    """Send the records kept by ``send_records(..., retry=True)`` (blocking: bounded)."""
+    while _unsent:
+        address, data = _unsent[0]
+        if _sendto(address, data, block) is None:
+            return
+        _unsent.pop(0)
+
+
+def reset_after_fork() -> None:
+    for sock in _clients.values():
+        try:
+            sock.close()
+        except OSError:
+            pass
+    _clients.clear()
+    _unsent.clear()
