@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from conftest import wait_for
 
 SCRIPTS = Path(__file__).parent / "scripts"

@@ -12,9 +12,9 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import START_METHODS
 
 import tensormp as mp
+from conftest import START_METHODS
 
 pytestmark = pytest.mark.timeout(60)
 

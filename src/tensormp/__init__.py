@@ -20,25 +20,11 @@ if not sys.platform.startswith("linux"):  # pragma: no cover - platform gate
         )
 
 import multiprocessing as _mp
+from typing import Any as _Any
 
-from . import reducers as _reducers  # noqa: F401  (registers reducers)
-from .arrays import (
-    empty,
-    empty_like,
-    full,
-    full_like,
-    is_shared,
-    ones,
-    ones_like,
-    share,
-    zeros,
-    zeros_like,
-)
 from .connection import Connection
 from .context import _default_context, get_context
 from .errors import FdLimitError, HandleError, SharedMemoryError, TensormpError
-from .memory import empty_cache, get_cache_limit, memory_stats, set_cache_limit
-from .reducers import numpy as _numpy_reducers  # noqa: F401
 from .spawn import (
     ProcessContext,
     ProcessException,
@@ -58,17 +44,41 @@ __version__ = "0.1.0"
 _STDLIB_NAMES = [name for name in _mp.__all__ if name != "get_context"]
 globals().update((name, getattr(_default_context, name)) for name in _STDLIB_NAMES)
 
-__all__ = sorted(
-    set(_STDLIB_NAMES)
-    | {
-        "get_context",
-        "share", "is_shared", "empty", "zeros", "ones", "full",
-        "empty_like", "zeros_like", "ones_like", "full_like",
-        "get_all_sharing_strategies", "get_sharing_strategy", "set_sharing_strategy",
-        "memory_stats", "empty_cache", "set_cache_limit", "get_cache_limit",
-        "Connection", "TensormpError", "SharedMemoryError", "HandleError", "FdLimitError",
-        "spawn", "start_processes", "ProcessContext", "SpawnContext", "ProcessException",
-        "ProcessRaisedException", "ProcessExitedException", "ProcessTimeoutError",
-        "ProcessFailure", "SpawnBootstrapError",
-    }
-)
+# Names that need numpy are loaded on first use, so that a child process that never touches
+# an array (a spawn() rank, a Pool worker) does not pay numpy's import (~130 ms).
+_LAZY = {
+    "share": "arrays", "is_shared": "arrays", "empty": "arrays", "zeros": "arrays",
+    "ones": "arrays", "full": "arrays", "empty_like": "arrays", "zeros_like": "arrays",
+    "ones_like": "arrays", "full_like": "arrays",
+    "memory_stats": "memory", "empty_cache": "memory", "set_cache_limit": "memory",
+    "get_cache_limit": "memory",
+}
+
+
+def __getattr__(name: str) -> _Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tensormp' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = [  # noqa: PLE0604 - the stdlib names are added below
+    "get_context",
+    "share", "is_shared", "empty", "zeros", "ones", "full",
+    "empty_like", "zeros_like", "ones_like", "full_like",
+    "get_all_sharing_strategies", "get_sharing_strategy", "set_sharing_strategy",
+    "memory_stats", "empty_cache", "set_cache_limit", "get_cache_limit",
+    "Connection", "TensormpError", "SharedMemoryError", "HandleError", "FdLimitError",
+    "spawn", "start_processes", "ProcessContext", "SpawnContext", "ProcessException",
+    "ProcessRaisedException", "ProcessExitedException", "ProcessTimeoutError",
+    "ProcessFailure", "SpawnBootstrapError",
+]
+__all__ += _STDLIB_NAMES

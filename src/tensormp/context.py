@@ -22,11 +22,11 @@ Process arguments
 from __future__ import annotations
 
 import multiprocessing
+import sys
 from multiprocessing import context as _mpctx
 from typing import Any
 
 from . import _child, reducers
-from .memory.allocator import release_all_received
 
 __all__ = ["Process", "DefaultContext", "get_context"]
 
@@ -61,7 +61,9 @@ class _ProcessMixin:
             return super()._bootstrap(parent_sentinel)  # type: ignore[misc]
         finally:
             # The child ends with os._exit (no garbage collection): hand back what it received.
-            release_all_received()
+            allocator = sys.modules.get("tensormp.memory.allocator")
+            if allocator is not None:
+                allocator.release_all_received()
 
 
 def _rebuild_process(cls: type, data: bytes, fds: list[Any]) -> Any:

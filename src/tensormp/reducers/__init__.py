@@ -29,6 +29,7 @@ import copyreg
 import io
 import os
 import pickle
+import sys
 import threading
 from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
@@ -52,6 +53,9 @@ def register(cls: type, reducer: Callable[[Any], Any]) -> None:
 
 def _dispatch_table() -> dict[type, Any]:
     global _table_cache
+    if "numpy" in sys.modules and "tensormp.reducers.numpy" not in sys.modules:
+        # numpy is loaded only when the program uses it: register its reducers then.
+        import tensormp.reducers.numpy  # noqa: F401
     extra = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
     key = (len(copyreg.dispatch_table), len(extra), len(_reducers))
     cached = _table_cache
