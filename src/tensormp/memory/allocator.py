@@ -375,8 +375,15 @@ def _on_release_record(op: bytes, seg_id: bytes, offset: int, count: int, pid: i
         if pid:
             start = _start_times.get(pid)
             if start is None:
-                start = _start_times[pid] = release.process_start_time(pid)
-            key = (pid, start or 0)
+                start = release.process_start_time(pid)
+                if start is None:  # the holder has already exited
+                    if op == b"H":
+                        _drop_remote_locked(block, count)
+                        return
+                    start = 0
+                else:
+                    _start_times[pid] = start
+            key = (pid, start)
             holders = block.holders if block.holders is not None else {}
             block.holders = holders
             held = holders.get(key, 0) + (count if op == b"H" else -count)
@@ -408,10 +415,10 @@ def _sweep_dead_holders() -> None:
         for block in blocks:
             for key in list(block.holders or ()):
                 if key not in alive:
-                    alive[key] = release.process_start_time(key[0]) == (key[1] or None)
+                    alive[key] = key[1] != 0 and release.process_start_time(key[0]) == key[1]
                 if not alive[key] and block.holders is not None:
                     _drop_remote_locked(block, block.holders.pop(key))
-        for pid in [p for p, st in _start_times.items() if not alive.get((p, st or 0), True)]:
+        for pid in [p for p, st in _start_times.items() if not alive.get((p, st), True)]:
             del _start_times[pid]
 
 

@@ -62,7 +62,7 @@ def pack(op: bytes, seg_id: bytes, offset: int, count: int) -> bytes:
 
 
 def process_start_time(pid: int) -> int | None:
-    """The start time of ``pid`` (clock ticks since boot), or None if no such process.
+    """The start time of ``pid`` (clock ticks since boot), or None if it has exited.
 
     A (pid, start time) pair names a process for good: pids are reused, start times are not.
     """
@@ -73,6 +73,8 @@ def process_start_time(pid: int) -> int | None:
         return None
     # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
     fields = stat[stat.rindex(b")") + 2 :].split()
+    if fields[0] in (b"Z", b"X"):
+        return None  # a zombie holds no memory any more
     return int(fields[19])  # field 22 of the whole line
 
 
