@@ -353,3 +353,93 @@ def test_out_of_fds_drops_one_message_and_the_pipe_stays_usable():
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert reader.recv() == "next"
     reader.close()
+
+
+# -- recycling across processes (release tracking, memory/release.py) --------------------------
+def _consume_and_ack(q, acks, n):
+    for _ in range(n):
+        a = q.get()
+        acks.put(float(a[0]))
+        del a
+
+
+def _stats_after(predicate, timeout=10.0):
+    from conftest import wait_for
+
+    wait_for(lambda: predicate(mp.memory_stats()), timeout)
+    return mp.memory_stats()
+
+
+def test_sent_blocks_are_recycled_once_released():
+    ctx = mp.get_context("spawn")
+    q, acks = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_consume_and_ack, args=(q, acks, 8))
+    p.start()
+    src = np.ones(1 << 20)  # 8 MiB, not shared: copied into shared memory at each put
+    mapped = []
+    for i in range(8):
+        src[0] = i
+        q.put(src)
+        assert acks.get(timeout=30) == i
+        _stats_after(lambda s: s["remote_held_bytes"] == 0, 5.0)
+        mapped.append(mp.memory_stats()["mapped_bytes"])
+    p.join(30)
+    assert max(mapped[2:]) == mapped[1], f"segments not recycled: mapped bytes {mapped}"
+
+
+def _hold_forever(q, ready):
+    kept = q.get()
+    ready.put(float(kept.sum()))
+    import time
+
+    time.sleep(120)
+
+
+def test_sigkilled_receiver_cannot_pin_memory():
+    ctx = mp.get_context("spawn")
+    q, ready = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_hold_forever, args=(q, ready))
+    p.start()
+    a = mp.ones(1 << 20)
+    q.put(a)
+    assert ready.get(timeout=30) == float(1 << 20)
+    del a
+    assert mp.memory_stats()["remote_held_bytes"] >= 8 << 20
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(30)
+    stats = _stats_after(lambda s: s["remote_held_bytes"] == 0, 10.0)
+    assert stats["remote_held_bytes"] == 0 and stats["cached_bytes"] >= 8 << 20
+
+
+def _forward(q_in, q_out):
+    a = q_in.get()
+    q_out.put(a)  # forward, then drop our own view
+    del a
+
+
+def _check_later(q, result, go):
+    a = q.get()
+    expected = a.copy()
+    go.get()  # the creator has reallocated and scribbled meanwhile
+    result.put(bool((a == expected).all()))
+
+
+def test_forwarded_block_is_not_recycled_while_held():
+    ctx = mp.get_context("spawn")
+    q1, q2, result, go = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+    b = ctx.Process(target=_forward, args=(q1, q2))
+    c = ctx.Process(target=_check_later, args=(q2, result, go))
+    b.start()
+    c.start()
+    a = mp.full(1 << 20, 3.0)
+    q1.put(a)
+    del a
+    b.join(30)  # b forwarded to c and exited (releasing its own hold)
+    for _ in range(4):  # a recycled block would be handed out, and overwritten, here
+        scratch = mp.empty(1 << 20)
+        scratch[...] = -1
+        del scratch
+    go.put(None)
+    assert result.get(timeout=30) is True
+    c.join(30)
+    _stats_after(lambda s: s["remote_held_bytes"] == 0, 10.0)

@@ -27,6 +27,7 @@ import io
 import os
 import socket
 import struct
+import sys
 import time
 from multiprocessing import connection as _mpc
 from multiprocessing import reduction as _mpr
@@ -124,6 +125,9 @@ class Connection(_mpc.Connection):
         return data, fds, bool(flags & socket.MSG_CTRUNC)
 
     def _recv_message(self) -> tuple[bytearray | bytes, list[int]]:
+        allocator = sys.modules.get("tensormp.memory.allocator")
+        if allocator is not None:
+            allocator.flush_records()  # about to wait: tell creators what we let go of
         head, fds, lost = self._recv_fds(_HEADER.size)
         try:
             if not head:

@@ -92,7 +92,7 @@ def _env_cache_limit() -> int:
 class _RootRef(weakref.ref):
     """Weak reference to a block's root array; its callback frees the block."""
 
-    __slots__ = ("block",)
+    __slots__ = ("block", "root_id")
 
 
 class Block:
@@ -110,7 +110,7 @@ class Block:
 
     __slots__ = (
         "segment", "offset", "capacity", "owned", "owner_pid", "remote", "received", "pinned",
-        "holders", "ref", "root_id",
+        "holders", "ref", "local_dead",
     )
 
     def __init__(self, segment: Segment, offset: int, capacity: int, owned: bool) -> None:
@@ -123,8 +123,8 @@ class Block:
         self.received = 0
         self.pinned = False
         self.holders: dict[tuple[int, int], int] | None = None  # (pid, start) -> handles held
-        self.ref: _RootRef | None = None
-        self.root_id = 0
+        self.ref: _RootRef | None = None  # the current root's weakref
+        self.local_dead = False  # the death of this process's last root has been processed
 
     def __repr__(self) -> str:
         live = self.ref is not None and self.ref() is not None
@@ -271,7 +271,7 @@ class _Allocator:
 _lock = threading.Lock()
 # Blocks whose root died, and ("forget", block) for unsent handles: queued by callbacks that
 # may run while this thread holds the lock (garbage collection), processed under the lock.
-_pending: collections.deque[Block | tuple[str, Block]] = collections.deque()
+_pending: collections.deque[_RootRef | tuple[str, Block]] = collections.deque()
 _segments: dict[bytes, Segment] = {}  # every segment mapped in this process, by id
 _root_blocks: dict[int, Block] = {}  # id(root array) -> block (checked against block.ref)
 _foreign_idle: collections.OrderedDict[bytes, Segment] = collections.OrderedDict()
@@ -299,12 +299,16 @@ _locked = _Locked()
 def _process_pending_locked() -> None:
     while _pending:
         item = _pending.popleft()
-        if isinstance(item, Block):
+        if isinstance(item, _RootRef):
             _free_locked(item)
-        else:  # ("forget", block): an unsent handle to our block
+        else:  # ("forget", block): an unsent handle
             block = item[1]
-            if (block.segment.id, block.offset) in _allocator.remote_held:
-                _drop_remote_locked(block, 1)
+            seg = block.segment
+            if block.owned and block.owner_pid == _allocator.pid:
+                if (seg.id, block.offset) in _allocator.remote_held:
+                    _drop_remote_locked(block, 1)
+            else:  # we had acquired it for a forward: give that back
+                release.post(seg.owner_addr, release.pack(b"R", seg.id, block.offset, 1))
 
 
 def _drain() -> None:
@@ -316,22 +320,26 @@ def _drain() -> None:
 
 
 def _root_died(ref: _RootRef) -> None:
-    _pending.append(ref.block)
+    _pending.append(ref)
     _drain()
 
 
-def _free_locked(block: Block) -> None:
+def _free_locked(ref: _RootRef) -> None:
+    block = ref.block
     seg = block.segment
-    if seg.roots.get(block.offset) is block.ref:
+    if seg.roots.get(block.offset) is ref:
         del seg.roots[block.offset]
-    if _root_blocks.get(block.root_id) is block:
-        del _root_blocks[block.root_id]
+    if _root_blocks.get(ref.root_id) is block:
+        del _root_blocks[ref.root_id]
+    if block.ref is not ref:
+        return  # stale: the block got a new root (its own block came back) before we ran
+    block.local_dead = True
     if block.owned and block.owner_pid == _allocator.pid:
         _allocator.root_died(block)
         return
     if block.received and seg.owner_addr and seg.creator_pid != os.getpid():
         record = release.pack(b"R", seg.id, block.offset, block.received)
-        release.send_records(seg.owner_addr, record, block=False, retry=True)
+        release.post(seg.owner_addr, record, urgent=block.capacity > SMALL_MAX)
     if not seg.roots and not seg.closed and not _allocator.manages(seg):
         _keep_idle_foreign(seg)
 
@@ -402,7 +410,7 @@ def _drop_remote_locked(block: Block, count: int) -> None:
     block.remote = 0
     block.holders = None
     del _allocator.remote_held[(block.segment.id, block.offset)]
-    if block.ref is None or block.ref() is None:  # our own view is gone too
+    if block.local_dead:  # our own view is gone too
         _allocator.remote_held_bytes -= block.capacity
         _allocator.recycle(block)
 
@@ -429,19 +437,12 @@ def release_all_received() -> None:
     interpreter exit, so creators can recycle at once instead of waiting for a liveness check.
     """
     with _locked:
-        by_owner: dict[bytes, list[bytes]] = collections.defaultdict(list)
         for block in _root_blocks.values():
             seg = block.segment
             if block.received and seg.owner_addr and seg.creator_pid != os.getpid():
-                by_owner[seg.owner_addr].append(
-                    release.pack(b"R", seg.id, block.offset, block.received)
-                )
+                release.post(seg.owner_addr, release.pack(b"R", seg.id, block.offset, block.received))
                 block.received = 0
-        release.flush(block=True)
-        for addr, records in by_owner.items():
-            for start in range(0, len(records), 128):
-                batch = b"".join(records[start : start + 128])
-                release.send_records(addr, batch, block=True)
+        release.post_flush(block=True)
 
 
 def _make_root_locked(block: Block) -> np.ndarray:
@@ -449,10 +450,11 @@ def _make_root_locked(block: Block) -> np.ndarray:
     root = np.frombuffer(seg.buffer, dtype=np.uint8, count=block.capacity, offset=block.offset)
     ref = _RootRef(root, _root_died)
     ref.block = block
+    ref.root_id = id(root)
     block.ref = ref
-    block.root_id = id(root)
+    block.local_dead = False
     seg.roots[block.offset] = ref
-    _root_blocks[block.root_id] = block
+    _root_blocks[ref.root_id] = block
     _segments[seg.id] = seg
     return root
 
@@ -469,6 +471,7 @@ def allocate(nbytes: int) -> np.ndarray:
     if nbytes < 0:
         raise ValueError(f"cannot allocate a negative number of bytes ({nbytes})")
     with _locked:
+        release.maybe_flush()
         return _make_root_locked(_allocator.allocate(nbytes))
 
 
@@ -519,8 +522,8 @@ def forget_handle(block: Block) -> None:
             _pending.append(("forget", block))  # may run from a finalizer: never wait here
             _drain()
     elif seg.owner_addr and seg.creator_pid != os.getpid():
-        record = release.pack(b"R", seg.id, block.offset, 1)
-        release.send_records(seg.owner_addr, record, block=False, retry=True)
+        _pending.append(("forget", block))
+        _drain()
 
 
 def attach(
@@ -554,15 +557,15 @@ def attach(
             if held is not None:  # our own block came back: that handle is consumed here
                 held.remote -= 1
                 if held.remote == 0:
+                    held.holders = None
                     del _allocator.remote_held[(seg_id, offset)]
                 root = held.ref() if held.ref is not None else None
                 if root is not None:
                     return root  # type: ignore[return-value]
-                if held.remote == 0:
+                if held.local_dead:  # it was counted as held remotely only
                     _allocator.remote_held_bytes -= held.capacity
-                else:
-                    _allocator.remote_held[(seg_id, offset)] = held
-                return _make_root_locked(held)  # our block, alive again
+                return _make_root_locked(held)  # our block, alive again (a pending death
+                # of its old root, if any, is now stale and ignored)
         ref = seg.roots.get(offset)
         root = ref() if ref is not None else None
         if root is not None and root.nbytes >= capacity:  # type: ignore[attr-defined]
@@ -573,9 +576,17 @@ def attach(
         if not block.owned:
             block.received += 1
             if seg.owner_addr and seg.creator_pid != os.getpid():
-                record = release.pack(b"H", seg.id, offset, 1)
-                release.send_records(seg.owner_addr, record, block=False)
+                # Holds go at once: they are what lets the creator free this block if we die.
+                release.post(seg.owner_addr, release.pack(b"H", seg.id, offset, 1), urgent=True)
         return root  # type: ignore[return-value]
+
+
+def flush_records() -> None:
+    """Send queued hold/release records now; called before this process blocks in a receive
+    (its idle point), so creators learn about dropped arrays without waiting."""
+    if release.has_queued():
+        with _locked:
+            release.post_flush()
 
 
 def memory_stats() -> dict[str, int]:

@@ -46,10 +46,12 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 
 __all__ = [
-    "ReleaseServer", "send_records", "flush", "pack", "process_start_time", "reset_after_fork",
+    "ReleaseServer", "send_records", "flush", "pack", "post", "post_flush", "maybe_flush",
+    "process_start_time", "reset_after_fork",
 ]
 
 _RECORD = struct.Struct("<c16sQI")
@@ -199,7 +201,58 @@ def flush(block: bool) -> None:
         _unsent.pop(0)
 
 
+# Releases are batched per creator: one datagram (and one wake-up of the creator's thread) per
+# _OUTBOX_MAX records instead of one per array. A release of a large block goes at once (the
+# creator may be waiting to reuse it); the others wait until this process next blocks in a
+# receive (its idle point), at most _OUTBOX_AGE seconds once it allocates again, and never past
+# its normal exit. Holds are sent at once (with whatever is queued before them): a holder that
+# is SIGKILLed later is then known, and its holds are dropped by the creator's liveness check.
+# Callers hold the allocator lock.
+_OUTBOX_MAX = 64
+_OUTBOX_AGE = 0.05
+_outbox: dict[bytes, list[bytes]] = {}
+_outbox_count = 0
+_outbox_since = 0.0
+
+
+def post(address: bytes, record: bytes, urgent: bool = False) -> None:
+    """Queue a hold or release record for the creator at ``address`` (see above)."""
+    global _outbox_count, _outbox_since
+    if not _outbox_count:
+        _outbox_since = time.monotonic()
+    _outbox.setdefault(address, []).append(record)
+    _outbox_count += 1
+    if urgent or _outbox_count >= _OUTBOX_MAX:
+        post_flush()
+    else:
+        maybe_flush()
+
+
+def has_queued() -> bool:
+    return _outbox_count > 0 or bool(_unsent)
+
+
+def maybe_flush() -> None:
+    if _outbox_count and time.monotonic() - _outbox_since > _OUTBOX_AGE:
+        post_flush()
+
+
+def post_flush(block: bool = False) -> None:
+    """Send every queued record now (``block``: wait up to 2 s for a full creator)."""
+    global _outbox_count
+    for address, records in _outbox.items():
+        for start in range(0, len(records), _MAX_RECORDS):
+            send_records(address, b"".join(records[start : start + _MAX_RECORDS]), block, True)
+    _outbox.clear()
+    _outbox_count = 0
+    if block:
+        flush(block=True)
+
+
 def reset_after_fork() -> None:
+    global _outbox_count
+    _outbox.clear()
+    _outbox_count = 0
     for sock in _clients.values():
         try:
             sock.close()
