@@ -193,3 +193,17 @@ def test_stdlib_primitives_still_work():
     assert ev.is_set()
     v = ctx.Value("i", 3)
     assert v.value == 3
+
+
+def test_message_dropped_unsent_does_not_pin_memory():
+    import gc
+
+    from tensormp import reducers
+
+    a = mp.zeros(1000)
+    msg = reducers.dumps(a[:10])  # a handle is counted as out...
+    del msg  # ...and given back when the message is dropped without being sent
+    del a
+    gc.collect()
+    assert mp.memory_stats()["remote_held_bytes"] == 0
+    assert mp.memory_stats()["in_use_bytes"] == 0

@@ -126,8 +126,8 @@ class Connection(_mpc.Connection):
 
     def _recv_message(self) -> tuple[bytearray | bytes, list[int]]:
         allocator = sys.modules.get("tensormp.memory.allocator")
-        if allocator is not None:
-            allocator.flush_records()  # about to wait: tell creators what we let go of
+        if allocator is not None and not self._poll(0):
+            allocator.flush_records()  # about to wait: tell creators what we hold and dropped
         head, fds, lost = self._recv_fds(_HEADER.size)
         try:
             if not head:
@@ -189,6 +189,9 @@ class Connection(_mpc.Connection):
 
     def send_message(self, msg: reducers.Message) -> None:
         """Send an already pickled :class:`~tensormp.reducers.Message`."""
+        allocator = sys.modules.get("tensormp.memory.allocator")
+        if allocator is not None:
+            allocator.flush_records()  # holds reach creators before our results do
         self._send_message(msg.data, msg.fds)
         msg.sent()
 

@@ -508,9 +508,24 @@ def note_handle(block: Block) -> bytes:
             block.remote += 1
             return seg.owner_addr
         addr = seg.owner_addr
-    if addr and seg.creator_pid != os.getpid():
-        release.send_records(addr, release.pack(b"A", seg.id, block.offset, 1), block=True)
+        if not addr or seg.creator_pid == os.getpid():
+            return addr
+        # The acquire goes out now, blocking, in one datagram with the records queued before it
+        # (holds for this creator ride along for free).
+        release.post(addr, release.pack(b"A", seg.id, block.offset, 1))
+        records = release.take_queued(addr)
+    if not release.send_records(addr, records, block=True):
+        # The creator is alive but did not take the acquire within 2 s (or is gone, in which
+        # case nothing is recycled anyway). Never let it recycle early: keep our own view,
+        # and so our hold, until this process exits.
+        ref = block.ref
+        root = ref() if ref is not None else None
+        if root is not None:
+            _held_forever.append(root)
     return addr
+
+
+_held_forever: list[np.ndarray] = []
 
 
 def forget_handle(block: Block) -> None:
@@ -576,14 +591,14 @@ def attach(
         if not block.owned:
             block.received += 1
             if seg.owner_addr and seg.creator_pid != os.getpid():
-                # Holds go at once: they are what lets the creator free this block if we die.
-                release.post(seg.owner_addr, release.pack(b"H", seg.id, offset, 1), urgent=True)
+                # Queued: flushed before this process next sends or waits for a message.
+                release.post(seg.owner_addr, release.pack(b"H", seg.id, offset, 1))
         return root  # type: ignore[return-value]
 
 
 def flush_records() -> None:
-    """Send queued hold/release records now; called before this process blocks in a receive
-    (its idle point), so creators learn about dropped arrays without waiting."""
+    """Send queued hold/release records now. Called before this process sends a message or
+    blocks waiting for one, so creators learn promptly who holds and who dropped what."""
     if release.has_queued():
         with _locked:
             release.post_flush()

@@ -201,12 +201,13 @@ def flush(block: bool) -> None:
         _unsent.pop(0)
 
 
-# Releases are batched per creator: one datagram (and one wake-up of the creator's thread) per
-# _OUTBOX_MAX records instead of one per array. A release of a large block goes at once (the
-# creator may be waiting to reuse it); the others wait until this process next blocks in a
-# receive (its idle point), at most _OUTBOX_AGE seconds once it allocates again, and never past
-# its normal exit. Holds are sent at once (with whatever is queued before them): a holder that
-# is SIGKILLed later is then known, and its holds are dropped by the creator's liveness check.
+# Holds and releases are batched per creator: one datagram (and one wake-up of the creator's
+# thread) per batch instead of one or two per array. A batch goes out when it reaches
+# _OUTBOX_MAX records, before this process sends a message or blocks waiting for one (its busy
+# and idle points: a Pool worker's holds are out before its result is), with an acquire, at
+# the next allocation once _OUTBOX_AGE seconds old, and at normal exit. A release of a large
+# block goes at once (its creator may be waiting to reuse it). What a receiver SIGKILLed with a
+# batch still queued loses: those holds, so those (small) blocks stay pinned in the creator.
 # Callers hold the allocator lock.
 _OUTBOX_MAX = 64
 _OUTBOX_AGE = 0.05
@@ -226,6 +227,14 @@ def post(address: bytes, record: bytes, urgent: bool = False) -> None:
         post_flush()
     else:
         maybe_flush()
+
+
+def take_queued(address: bytes) -> bytes:
+    """Remove and return the records queued for ``address`` (to send them with another)."""
+    global _outbox_count
+    records = _outbox.pop(address, [])
+    _outbox_count -= len(records)
+    return b"".join(records)
 
 
 def has_queued() -> bool:
