@@ -106,13 +106,18 @@ class ReleaseServer:
 
     def _serve(self) -> None:
         sock = self._sock
+        interval = sock.gettimeout() or 1.0
+        next_sweep = time.monotonic() + interval
         while True:
+            now = time.monotonic()
+            if now >= next_sweep:  # also under steady traffic, not only when idle
+                self._safely(self._sweep)
+                next_sweep = now + interval
             try:
                 data, anc, _flags, _addr = sock.recvmsg(
                     _RECORD.size * _MAX_RECORDS, socket.CMSG_SPACE(_UCRED.size)
                 )
             except TimeoutError:
-                self._safely(self._sweep)
                 continue
             except OSError:
                 return  # closed (fork child, interpreter exit)
