@@ -320,12 +320,15 @@ _crash_log_fd: int | None = None
 
 def _on_sigint(signum: int, frame: Any) -> None:
     global _sigint_received
+    if _sigint_received:
+        return  # a second Ctrl-C while we are already stopping: one traceback-free exit
     _sigint_received = True
     raise KeyboardInterrupt
 
 
 def _die_of_sigint() -> None:
     """A Ctrl-C at the terminal reached this child too: exit quietly, by SIGINT."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt this
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
