@@ -70,6 +70,7 @@ __all__ = [
 SMALL_MAX = 1 << 20  # requests up to 1 MiB share arenas
 MIN_CLASS = 64  # smallest size class and the alignment of every block
 ARENA_MIN = 4 << 20  # arenas hold at least 16 blocks and at least 4 MiB
+ARENA_MAX = 64 << 20
 FOREIGN_CACHE_MAX = 64  # idle mappings of other processes' segments kept (fds)
 _DEFAULT_CACHE_LIMIT = 1 << 30
 
@@ -180,7 +181,11 @@ class _Allocator:
         else:
             arena = self.current.get(size)
             if arena is None or arena.bumped == arena.nslots:
-                seg = Segment.create(max(ARENA_MIN, 16 * size), "arena")
+                # Arenas of a class grow (up to ARENA_MAX) as the class keeps more of them, so
+                # a receiver keeping many arrays holds few fds.
+                same = sum(1 for a in self.arenas.values() if a.block_size == size)
+                grown = max(ARENA_MIN, 16 * size) << min(4, same // 2)
+                seg = Segment.create(min(ARENA_MAX, grown), "arena")
                 arena = _Arena(seg, size, seg.size // size)
                 self.arenas[seg.id] = arena
                 self.current[size] = arena
