@@ -207,3 +207,13 @@ def test_message_dropped_unsent_does_not_pin_memory():
     gc.collect()
     assert mp.memory_stats()["remote_held_bytes"] == 0
     assert mp.memory_stats()["in_use_bytes"] == 0
+
+
+def test_structured_padding_never_shows_old_bytes():
+    dt = np.dtype([("a", "u1"), ("b", "<i8")], align=True)  # 7 padding bytes per item
+    junk = mp.full(48, 0xAB, dtype=np.uint8)
+    del junk  # a freed block with old bytes, recycled next
+    assert mp.share(np.zeros(3, dtype=dt)).tobytes() == bytes(48)
+    junk = mp.full(48, 0xAB, dtype=np.uint8)
+    del junk
+    assert mp.zeros(3, dtype=dt).tobytes() == bytes(48)

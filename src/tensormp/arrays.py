@@ -111,9 +111,14 @@ def empty(shape: ShapeLike, dtype: DTypeLike = float, order: str = "C") -> np.nd
 
 
 def zeros(shape: ShapeLike, dtype: DTypeLike = float, order: str = "C") -> np.ndarray:
-    """A new shared array of zeros (as ``numpy.zeros``); see :func:`empty` for errors."""
+    """A new shared array of zeros (as ``numpy.zeros``); see :func:`empty` for errors.
+
+    Every byte is zeroed, padding of structured dtypes included (a recycled block holds old
+    bytes)."""
     a = empty(shape, dtype, order)
-    a.fill(0)
+    found = find_block(a)
+    assert found is not None
+    found[1][: a.nbytes] = 0
     return a
 
 

@@ -44,6 +44,7 @@ import atexit
 import collections
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -349,10 +350,37 @@ def _free_locked(ref: _RootRef) -> None:
         _keep_idle_foreign(seg)
 
 
+def _creator_alive(seg: Segment) -> bool:
+    try:
+        os.kill(seg.creator_pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+_next_idle_scan = 0.0
+
+
 def _keep_idle_foreign(seg: Segment) -> None:
-    """Keep an idle mapping of another process's segment for reuse (bounded LRU)."""
+    """Keep an idle mapping of another process's segment for reuse (bounded LRU).
+
+    Only while its creator lives: a dead creator never reuses the segment, so keeping it
+    would only hold its memory. Idle mappings whose creator died since are dropped by a scan
+    at most once a second.
+    """
+    global _next_idle_scan
+    if not _creator_alive(seg):
+        _close_if_unused(seg)
+        return
     _foreign_idle[seg.id] = seg
     _foreign_idle.move_to_end(seg.id)
+    now = time.monotonic()
+    if now >= _next_idle_scan:
+        _next_idle_scan = now + 1.0
+        for other in [s for s in _foreign_idle.values() if not _creator_alive(s)]:
+            _close_if_unused(other)
     _trim_foreign(_allocator.cache_limit)
 
 

@@ -34,6 +34,14 @@ def copy_to_shared(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
     root = memory.allocate(a.nbytes)
     out = np.ndarray(a.shape, a.dtype, buffer=root, order=order)
+    if a.dtype.fields is not None:
+        # Structured: copy the bytes, padding included (copyto copies fields only, which
+        # would leave a recycled block's old bytes in the padding).
+        if a.flags.c_contiguous or a.flags.f_contiguous:
+            root[: a.nbytes] = np.frombuffer(a.data.cast("B") if a.flags.c_contiguous else
+                                             a.T.data.cast("B"), np.uint8)
+            return out, root
+        root[: a.nbytes] = 0
     np.copyto(out, a, casting="no")
     return out, root
 
