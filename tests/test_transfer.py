@@ -443,3 +443,31 @@ def test_forwarded_block_is_not_recycled_while_held():
     assert result.get(timeout=30) is True
     c.join(30)
     _stats_after(lambda s: s["remote_held_bytes"] == 0, 10.0)
+
+
+def _keep_and_echo_views(q, out, n):
+    keep = []
+    for _ in range(n):
+        keep.append(q.get())
+        out.put(keep[-1][::2])  # a view goes back to the creator, which drops it
+    out.put("kept")
+    q.get()
+    out.put([i for i, x in enumerate(keep) if not (x == i % 250 + 1).all()])
+
+
+def test_view_sent_back_to_creator_never_frees_memory_still_held(ctx):
+    """Regression: the creator consumed the echoed handle before counting the echoer's
+    acquire, recycled the block, and overwrote the echoer's array."""
+    n = 150
+    q, out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_keep_and_echo_views, args=(q, out, n))
+    p.start()
+    for i in range(n):
+        q.put(mp.full(4096, i % 250 + 1, dtype=np.uint8))  # not kept here
+        out.get(timeout=30)  # the view comes back and is dropped
+    assert out.get(timeout=30) == "kept"
+    junk = [mp.zeros(4096, dtype=np.uint8) for _ in range(2 * n)]  # reuses freed blocks
+    q.put("check")
+    assert out.get(timeout=30) == []
+    p.join(30)
+    del junk

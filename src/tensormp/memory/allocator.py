@@ -404,14 +404,27 @@ def _close_if_unused(seg: Segment) -> None:
 _start_times: dict[int, int | None] = {}  # pid -> start time, for holders we have seen
 
 
-def _on_release_record(op: bytes, seg_id: bytes, offset: int, count: int, pid: int = 0) -> None:
+# Acquire tokens (see release.py): counted acquires whose handle has not come back to us yet,
+# and handles that came back to us before their acquire was counted.
+_acquired: set[int] = set()
+_early: set[int] = set()
+
+
+def _on_release_record(
+    op: bytes, seg_id: bytes, offset: int, count: int, pid: int = 0, token: int = 0
+) -> None:
     """Release server thread: another process acquired, holds or released our block."""
     with _locked:
+        if op == b"A" and token in _early:
+            _early.discard(token)  # its handle already came back to us: nothing is out
+            return
         block = _allocator.remote_held.get((seg_id, offset))
         if block is None:
             return  # unknown (already recycled, pinned at a fork, or not ours)
         if op == b"A":
             block.remote += count
+            if token:
+                _acquired.add(token)
             return
         if pid:
             start = _start_times.get(pid)
@@ -523,29 +536,31 @@ def find_block(obj: object) -> tuple[Block, np.ndarray] | None:
     return None
 
 
-def note_handle(block: Block) -> bytes:
-    """A handle to ``block`` is being pickled; returns the address receivers release to.
+def note_handle(block: Block) -> tuple[bytes, int]:
+    """A handle to ``block`` is being pickled; returns ``(release address, acquire token)``.
 
     The creator counts the handle; a forwarding process first tells the creator (blocking
-    ``acquire``) so the block cannot be recycled while the forwarded handle is out.
+    ``acquire`` with a fresh token, which the handle carries) so the block cannot be recycled
+    while the forwarded handle is out.
     """
     seg = block.segment
     with _locked:
         if block.owned and block.owner_pid == _allocator.pid:
             if block.pinned:
-                return b""
+                return b"", 0
             if seg.owner_addr == b"":
                 seg.owner_addr = _allocator.address()
             if block.remote == 0:
                 _allocator.remote_held[(seg.id, block.offset)] = block
             block.remote += 1
-            return seg.owner_addr
+            return seg.owner_addr, 0
         addr = seg.owner_addr
         if not addr or seg.creator_pid == os.getpid():
-            return addr
+            return addr, 0
+        token = int.from_bytes(os.urandom(8), "little") | 1
         # The acquire goes out now, blocking, in one datagram with the records queued before it
         # (holds for this creator ride along for free).
-        release.post(addr, release.pack(b"A", seg.id, block.offset, 1))
+        release.post(addr, release.pack(b"A", seg.id, block.offset, 1, token))
         records = release.take_queued(addr)
     if not release.send_records(addr, records, block=True):
         # The creator is alive but did not take the acquire within 2 s (or is gone, in which
@@ -555,7 +570,7 @@ def note_handle(block: Block) -> bytes:
         root = ref() if ref is not None else None
         if root is not None:
             _held_forever.append(root)
-    return addr
+    return addr, token
 
 
 _held_forever: list[np.ndarray] = []
@@ -583,6 +598,7 @@ def attach(
     owner_addr: bytes,
     offset: int,
     capacity: int,
+    token: int = 0,
 ) -> np.ndarray:
     """Root of the block ``[offset, offset+capacity)`` of a segment sent by another process.
 
@@ -603,7 +619,11 @@ def attach(
         if creator_pid == _allocator.pid and seg.creator_pid == creator_pid:
             held = _allocator.remote_held.get((seg_id, offset))
             if held is not None:  # our own block came back: that handle is consumed here
-                held.remote -= 1
+                if token and token not in _acquired:
+                    _early.add(token)  # its acquire is not counted yet: it will cancel out
+                else:
+                    _acquired.discard(token)
+                    held.remote -= 1
                 if held.remote == 0:
                     held.holders = None
                     del _allocator.remote_held[(seg_id, offset)]
@@ -712,6 +732,8 @@ def _after_fork_in_parent() -> None:
 def _after_fork_in_child() -> None:
     global _lock, _pending, _allocator
     _lock = threading.Lock()
+    _acquired.clear()
+    _early.clear()
     _pending = collections.deque()
     for block in _root_blocks.values():
         block.pinned = True

@@ -19,6 +19,11 @@ from the kernel (``SCM_CREDENTIALS``), never from the record:
   an array it received). Sent *blocking* before the message leaves, so the creator counts that
   handle before the forwarded receiver can ever release it (datagrams from one sender arrive in
   order, and the forward's receiver only releases after the forwarder's acquire was queued).
+  The acquire carries a random *token* that the forwarded handle carries too: when the creator
+  itself receives that handle, its main thread may get there before its release thread has
+  read the acquire. It then consumes the handle only once the acquire with that token has
+  been counted (an early arrival is remembered and cancels the acquire when it comes), so the
+  count can never reach zero while the forwarder's view is out.
 
 ``H`` and ``R`` never block the caller. An ``H`` that finds the creator's buffer full is
 dropped (the creator then cannot free that hold if the receiver dies); an ``R`` is kept and sent
@@ -54,13 +59,13 @@ __all__ = [
     "process_start_time", "reset_after_fork",
 ]
 
-_RECORD = struct.Struct("<c16sQI")
+_RECORD = struct.Struct("<c16sQIQ")  # op, segment id, block offset, count, acquire token
 _UCRED = struct.Struct("iII")  # pid, uid, gid
 _MAX_RECORDS = 256
 
 
-def pack(op: bytes, seg_id: bytes, offset: int, count: int) -> bytes:
-    return _RECORD.pack(op, seg_id, offset, count)
+def pack(op: bytes, seg_id: bytes, offset: int, count: int, token: int = 0) -> bytes:
+    return _RECORD.pack(op, seg_id, offset, count, token)
 
 
 def process_start_time(pid: int) -> int | None:
@@ -83,13 +88,13 @@ def process_start_time(pid: int) -> int | None:
 class ReleaseServer:
     """The creator's end: a bound datagram socket and the thread that reads it.
 
-    ``handler(op, seg_id, offset, count, pid)`` runs for each record (``pid``: the sender, from
+    ``handler(op, seg_id, offset, count, pid, token)`` runs for each record (``pid``: the sender, from
     ``SO_PASSCRED``); ``sweep()`` runs about every ``sweep_interval`` seconds.
     """
 
     def __init__(
         self,
-        handler: Callable[[bytes, bytes, int, int, int], None],
+        handler: Callable[[bytes, bytes, int, int, int, int], None],
         sweep: Callable[[], None],
         sweep_interval: float = 1.0,
     ) -> None:
@@ -128,8 +133,8 @@ class ReleaseServer:
             if uid != self._uid or pid is None:
                 continue  # not one of ours: ignore
             for start in range(0, len(data) - len(data) % _RECORD.size, _RECORD.size):
-                op, seg_id, offset, count = _RECORD.unpack_from(data, start)
-                self._safely(self._handler, op, seg_id, offset, count, pid)
+                op, seg_id, offset, count, token = _RECORD.unpack_from(data, start)
+                self._safely(self._handler, op, seg_id, offset, count, pid, token)
 
     @staticmethod
     def _safely(fn: Callable[..., None], *args: object) -> None:

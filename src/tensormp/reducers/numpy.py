@@ -63,7 +63,7 @@ def reduce_ndarray(a: np.ndarray) -> Any:
         assert found is not None
     block, root = found
     seg = block.segment
-    owner_addr = note_handle(block)
+    owner_addr, token = note_handle(block)
     msg.on_abandon(lambda: forget_handle(block))
     index = msg.add_fd(seg.fd, seg.id, seg)
     msg.keepalive.append(root)
@@ -81,6 +81,7 @@ def reduce_ndarray(a: np.ndarray) -> Any:
         a.shape,
         a.strides,
         readonly,
+        token,
     )
 
 
@@ -98,6 +99,7 @@ def rebuild_ndarray(
     shape: tuple[int, ...],
     strides: tuple[int, ...],
     readonly: bool,
+    token: int = 0,
 ) -> np.ndarray:
     root = memory.attach(
         seg_id,
@@ -108,6 +110,7 @@ def rebuild_ndarray(
         owner_addr,
         block_offset,
         capacity,
+        token,
     )
     a = np.ndarray(shape, dtype, buffer=root, offset=offset, strides=strides)
     if readonly:
