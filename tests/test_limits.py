@@ -130,3 +130,63 @@ def test_sigkill_whole_program_frees_everything(method):
             pass
         proc.wait(30)
         time.sleep(0.1)
+
+
+def _memory_cgroup(limit: int):
+    """Create a memory cgroup (v1 or v2) limited to ``limit`` bytes; returns (dir, files)."""
+    import uuid
+
+    name = f"tensormp-test-{uuid.uuid4().hex[:8]}"
+    if os.path.isdir("/sys/fs/cgroup/memory"):
+        d = f"/sys/fs/cgroup/memory/{name}"
+        limit_file = "memory.limit_in_bytes"
+    elif os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+        d = f"/sys/fs/cgroup/{name}"
+        limit_file = "memory.max"
+    else:
+        return None
+    try:
+        os.mkdir(d)
+        with open(f"{d}/{limit_file}", "w") as f:
+            f.write(str(limit))
+    except OSError:
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
+        return None
+    return d
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not IS_ROOT, reason="needs root to make a memory cgroup")
+def test_allocation_past_the_cgroup_limit_is_an_oserror_not_an_oom_kill():
+    d = _memory_cgroup(300 << 20)
+    if d is None:
+        pytest.skip("no writable memory cgroup controller here")
+    code = (
+        "import numpy as np, tensormp as mp\n"
+        "try:\n"
+        "    mp.empty(512 << 20, dtype=np.uint8)\n"
+        "except OSError as e:\n"
+        "    print('OSError', e.errno, e)\n"
+    )
+    try:
+        proc = subprocess.run(
+            ["sh", "-c", f'echo $$ > {d}/cgroup.procs && exec "$0" -c "$1"', sys.executable, code],
+            capture_output=True, text=True, timeout=50,
+        )
+    finally:
+        wait_for(lambda: _rmdir(d), 5.0)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("OSError 12 ") and "available" in proc.stdout, proc.stdout
+
+
+def _rmdir(d: str) -> bool:
+    try:
+        os.rmdir(d)
+        return True
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False

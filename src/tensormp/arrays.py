@@ -125,7 +125,7 @@ def zeros(shape: ShapeLike, dtype: DTypeLike = float, order: str = "C") -> np.nd
 def ones(shape: ShapeLike, dtype: DTypeLike = float, order: str = "C") -> np.ndarray:
     """A new shared array of ones (as ``numpy.ones``); see :func:`empty` for errors."""
     a = empty(shape, dtype, order)
-    a.fill(1)
+    np.copyto(a, 1, casting="unsafe")  # as numpy.ones (works for void and structured dtypes)
     return a
 
 
@@ -137,7 +137,7 @@ def full(
     if dtype is None:
         dtype = np.array(fill_value).dtype
     a = empty(shape, dtype, order)
-    a[...] = fill_value
+    np.copyto(a, fill_value, casting="unsafe")  # as numpy.full
     return a
 
 

@@ -169,7 +169,9 @@ class Connection(_mpc.Connection):
             os.close(fd)
         if maxsize is not None and len(data) > maxsize:
             raise OSError("bad message length")
-        return io.BytesIO(data)
+        buf = io.BytesIO()
+        buf.write(data)  # positioned at the end, as the stdlib's (recv_bytes_into reads tell())
+        return buf
 
     # -- objects ------------------------------------------------------------------------------
     def send(self, obj: Any) -> None:
@@ -189,6 +191,8 @@ class Connection(_mpc.Connection):
 
     def send_message(self, msg: reducers.Message) -> None:
         """Send an already pickled :class:`~tensormp.reducers.Message`."""
+        self._check_closed()
+        self._check_writable()
         allocator = sys.modules.get("tensormp.memory.allocator")
         if allocator is not None:
             allocator.flush_records()  # holds reach creators before our results do

@@ -527,12 +527,10 @@ def find_block(obj: object) -> tuple[Block, np.ndarray] | None:
         block = _root_blocks.get(id(obj))
         if block is not None and block.ref is not None and block.ref() is obj:
             return block, obj  # type: ignore[return-value]
-        if isinstance(obj, np.ndarray):
-            obj = obj.base
-        elif isinstance(obj, memoryview):
+        if isinstance(obj, memoryview):
             obj = obj.obj
-        else:
-            return None
+        else:  # ndarray.base, and objects such as as_strided's DummyArray that keep a base
+            obj = getattr(obj, "base", None)
     return None
 
 
@@ -701,7 +699,7 @@ def set_cache_limit(nbytes: int) -> None:
     Raises:
         ValueError: ``nbytes`` is not a non-negative int.
     """
-    if not isinstance(nbytes, int) or nbytes < 0:
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
         raise ValueError(f"cache limit must be a non-negative int of bytes, got {nbytes!r}")
     with _locked:
         _allocator.cache_limit = nbytes

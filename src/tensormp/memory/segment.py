@@ -65,8 +65,46 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read().strip()
+    except OSError:
+        return None
+    return None if raw in (b"max", b"") else int(raw)
+
+
+def _cgroup_room() -> int | None:
+    """Bytes the memory cgroups of this process still allow (v2 and v1), or None."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    room: int | None = None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2: the limit may sit on any ancestor
+            base, limit_file, usage_file = "/sys/fs/cgroup", "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):
+            base = "/sys/fs/cgroup/memory"
+            limit_file, usage_file = "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            directory = "/".join([base, *parts[:depth]])
+            limit = _read_int(f"{directory}/{limit_file}")
+            usage = _read_int(f"{directory}/{usage_file}")
+            if limit is not None and usage is not None and limit < (1 << 60):
+                free = max(0, limit - usage)
+                room = free if room is None else min(room, free)
+    return room
+
+
 def available_memory() -> int | None:
-    """Bytes of memory a new memfd can still take: ``MemAvailable``, capped by the cgroup."""
+    """Bytes of memory a new memfd can still take: ``MemAvailable``, capped by the memory
+    cgroups (v2 or v1) of this process and their ancestors."""
     avail = None
     try:
         with open("/proc/meminfo", "rb") as f:
@@ -76,16 +114,9 @@ def available_memory() -> int | None:
                     break
     except OSError:
         pass
-    try:
-        with open("/sys/fs/cgroup/memory.max", "rb") as f:
-            limit = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current", "rb") as f:
-            current = int(f.read())
-        if limit != b"max":
-            room = max(0, int(limit) - current)
-            avail = room if avail is None else min(avail, room)
-    except (OSError, ValueError):
-        pass
+    room = _cgroup_room()
+    if room is not None:
+        avail = room if avail is None else min(avail, room)
     return avail
 
 
@@ -150,10 +181,20 @@ class Segment:
         try:
             fd = os.memfd_create("tensormp-" + seg_id.hex(), os.MFD_CLOEXEC)
         except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                from ..errors import FdLimitError
+
+                raise FdLimitError(
+                    e.errno,
+                    f"cannot create a shared-memory segment: this process is out of file "
+                    f"descriptors ({e.strerror}). Each segment alive here (a large array, or an "
+                    "arena of small ones, including ones still in flight to a consumer) holds "
+                    "one fd: raise the limit (ulimit -n) or keep fewer large arrays alive.",
+                ) from None
             raise SharedMemoryError(
                 e.errno,
                 f"memfd_create failed ({e.strerror}); tensormp needs Linux >= 3.17 with memfd "
-                "support. Check `python -m tensormp doctor`.",
+                "support",
             ) from None
         try:
             os.ftruncate(fd, size)
