@@ -101,6 +101,9 @@ def test_share_and_is_shared():
         (lambda: mp.empty("abc"), TypeError, "shape must be"),
         (lambda: mp.empty(3, order="K"), ValueError, "order must be"),
         (lambda: mp.set_cache_limit(-1), ValueError, "non-negative"),
+        (lambda: mp.set_cache_limit(True), ValueError, "non-negative"),
+        (lambda: mp.spawn(print, timeout="x"), ValueError, "number of seconds"),
+        (lambda: mp.spawn(print, args=5), TypeError, "args must be a tuple"),
     ],
 )
 def test_bad_arguments(call, exc, match):

@@ -712,8 +712,15 @@ def start_processes(
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
     for name, value in (("timeout", timeout), ("grace_period", grace_period)):
-        if value is not None and not value >= 0:
-            raise ValueError(f"{name} must be None or >= 0 seconds, got {value!r}")
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0
+        ):
+            raise ValueError(f"{name} must be None or a number of seconds >= 0, got {value!r}")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(
+            f"args must be a tuple of arguments for fn(i, *args), got {type(args).__name__}; "
+            f"for one argument write args=({args!r},)"
+        )
     from .context import get_context
 
     ctx = get_context(start_method)
