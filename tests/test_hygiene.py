@@ -54,16 +54,28 @@ def _driver(tmp_path, body, *args):
 
 
 def _read(proc, n=1, timeout=60.0):
-    out = []
+    """Read ``n`` JSON lines from the driver, waiting at most ``timeout`` seconds in all.
+
+    Reads the raw fd (not the buffered text stream): select() cannot see lines that a
+    buffered readline() already pulled in, so two lines arriving together would hang.
+    """
+    out: list = []
+    fd = proc.stdout.fileno()
+    pending = b""
     deadline = time.monotonic() + timeout
     while len(out) < n:
-        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        line = proc.stdout.readline() if ready else ""
-        if not line:
+        while b"\n" in pending and len(out) < n:
+            line, pending = pending.split(b"\n", 1)
+            out.append(json.loads(line))
+        if len(out) == n:
+            break
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        chunk = os.read(fd, 65536) if ready else b""
+        if not chunk:
             _kill_session(proc)
             pytest.fail(f"driver printed {out}, then nothing (rc={proc.poll()}):\n"
                         f"{proc.stderr.read()}")
-        out.append(json.loads(line))
+        pending += chunk
     return out
 
 
