@@ -107,3 +107,27 @@ def no_leaks():
     leaked = new_fds()
     assert not leaked, f"fds leaked by the test: {leaked}"
     assert _shm_names() <= before_shm, f"/dev/shm files leaked: {_shm_names() - before_shm}"
+
+
+def read_json_lines(proc, n: int, timeout: float = 60.0) -> list:
+    """Up to ``n`` JSON lines from ``proc.stdout`` within ``timeout`` seconds (fewer at EOF or
+    timeout). Reads the raw fd: select() cannot see lines that a buffered readline() already
+    pulled in, so two lines arriving together would otherwise hang."""
+    import json
+    import select
+
+    out: list = []
+    fd = proc.stdout.fileno()
+    pending = b""
+    deadline = time.monotonic() + timeout
+    while True:
+        while b"\n" in pending and len(out) < n:
+            line, pending = pending.split(b"\n", 1)
+            out.append(json.loads(line))
+        if len(out) >= n:
+            return out
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        chunk = os.read(fd, 65536) if ready else b""
+        if not chunk:
+            return out
+        pending += chunk

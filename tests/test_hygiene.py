@@ -11,7 +11,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import time
 import psutil
 import pytest
 
-from conftest import START_METHODS, wait_for
+from conftest import START_METHODS, read_json_lines, wait_for
 from tensormp import _child
 
 PRELUDE = r"""
@@ -54,28 +53,11 @@ def _driver(tmp_path, body, *args):
 
 
 def _read(proc, n=1, timeout=60.0):
-    """Read ``n`` JSON lines from the driver, waiting at most ``timeout`` seconds in all.
-
-    Reads the raw fd (not the buffered text stream): select() cannot see lines that a
-    buffered readline() already pulled in, so two lines arriving together would hang.
-    """
-    out: list = []
-    fd = proc.stdout.fileno()
-    pending = b""
-    deadline = time.monotonic() + timeout
-    while len(out) < n:
-        while b"\n" in pending and len(out) < n:
-            line, pending = pending.split(b"\n", 1)
-            out.append(json.loads(line))
-        if len(out) == n:
-            break
-        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-        chunk = os.read(fd, 65536) if ready else b""
-        if not chunk:
-            _kill_session(proc)
-            pytest.fail(f"driver printed {out}, then nothing (rc={proc.poll()}):\n"
-                        f"{proc.stderr.read()}")
-        pending += chunk
+    out = read_json_lines(proc, n, timeout)
+    if len(out) < n:
+        _kill_session(proc)
+        pytest.fail(f"driver printed {out}, then nothing (rc={proc.poll()}):\n"
+                    f"{proc.stderr.read()}")
     return out
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import select
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import psutil
 import pytest
 
 import tensormp as mp
-from conftest import START_METHODS, wait_for
+from conftest import START_METHODS, read_json_lines, wait_for
 from tensormp import _child
 
 # -- functions run by the ranks (top level: importable by spawn children) ---------------------
@@ -151,19 +150,12 @@ def _driver(tmp_path, body, *, env=None, name="driver.py"):
 
 
 def _read_lines(proc, n, timeout=60.0):
-    out = []
-    deadline = time.monotonic() + timeout
-    while len(out) < n:
-        left = deadline - time.monotonic()
-        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, left))
-        if not ready:
-            proc.kill()
-            pytest.fail(f"driver printed {out} within {timeout} s; stderr:\n{proc.stderr.read()}")
-        line = proc.stdout.readline()
-        if not line:
-            proc.wait(5)
-            pytest.fail(f"driver exited early ({proc.returncode}):\n{proc.stderr.read()}")
-        out.append(json.loads(line))
+    out = read_json_lines(proc, n, timeout)
+    if len(out) < n:
+        proc.kill()
+        proc.wait(5)
+        pytest.fail(f"driver printed {out} within {timeout} s (rc={proc.returncode}); "
+                    f"stderr:\n{proc.stderr.read()}")
     return out
 
 
