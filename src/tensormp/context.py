@@ -22,6 +22,7 @@ Process arguments
 from __future__ import annotations
 
 import multiprocessing
+import os
 import sys
 from multiprocessing import context as _mpctx
 from typing import Any
@@ -44,15 +45,24 @@ class _ProcessMixin:
         msg = reducers.dumps(dict(self.__dict__))
         fds = [popen.DupFd(popen.duplicate_for_child(fd)) for fd in msg.fds]
         self.__dict__["_tensormp_keepalive"] = msg.keepalive
+        self.__dict__["_tensormp_noted"] = msg.noted
         msg.sent()  # the child rebuilds (and later releases) these handles
-        return _rebuild_process, (type(self), msg.data, fds)
+        return _rebuild_process, (type(self), msg.data, fds, os.getpid())
 
     def start(self) -> None:
         _child.before_start(self)
         try:
             super().start()  # type: ignore[misc]
+            noted = self.__dict__.get("_tensormp_noted")
+            if noted:
+                # We know who holds these handles: the child. If it dies before releasing
+                # them (even during start-up), our liveness check frees them.
+                from .memory.allocator import register_holder
+
+                register_holder(self.pid, noted)  # type: ignore[attr-defined]
         finally:
             self.__dict__.pop("_tensormp_keepalive", None)
+            self.__dict__.pop("_tensormp_noted", None)
 
     def _bootstrap(self, parent_sentinel: Any = None) -> Any:
         # In the child: die with the parent (PR_SET_PDEATHSIG + a watchdog; see _child.py).
@@ -66,8 +76,17 @@ class _ProcessMixin:
                 allocator.release_all_received()
 
 
-def _rebuild_process(cls: type, data: bytes, fds: list[Any]) -> Any:
-    state = reducers.loads(data, [fd.detach() for fd in fds])
+def _rebuild_process(cls: type, data: bytes, fds: list[Any], parent_pid: int = 0) -> Any:
+    # Handles to the parent's own blocks are registered by the parent at start(): no hold
+    # records for those (reducers.numpy reads parent_pid); others are announced at once.
+    reducers.process_args_parent(parent_pid)
+    try:
+        state = reducers.loads(data, [fd.detach() for fd in fds])
+    finally:
+        reducers.process_args_parent(0)
+    allocator = sys.modules.get("tensormp.memory.allocator")
+    if allocator is not None:
+        allocator.flush_records()
     obj = cls.__new__(cls)
     obj.__dict__.update(state)
     return obj

@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     _print(summary(results))
     if picture is not None:
-        _print(f"\nPicture written to {picture.resolve()}")
+        _print(f"\n[3/3] Picture written to {picture.resolve()}")
     _print(f"Done in {time.perf_counter() - t0:.1f} s.")
     return 0
 

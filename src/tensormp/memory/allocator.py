@@ -62,6 +62,7 @@ __all__ = [
     "note_handle",
     "forget_handle",
     "release_all_received",
+    "register_holder",
     "memory_stats",
     "empty_cache",
     "set_cache_limit",
@@ -597,6 +598,7 @@ def attach(
     offset: int,
     capacity: int,
     token: int = 0,
+    announce: bool = True,
 ) -> np.ndarray:
     """Root of the block ``[offset, offset+capacity)`` of a segment sent by another process.
 
@@ -641,10 +643,31 @@ def attach(
             root = _make_root_locked(block)
         if not block.owned:
             block.received += 1
-            if seg.owner_addr and seg.creator_pid != os.getpid():
-                # Queued: flushed before this process next sends or waits for a message.
+            if announce and seg.owner_addr and seg.creator_pid != os.getpid():
+                # Queued: flushed within 50 ms, or before this process next sends or waits.
                 release.post(seg.owner_addr, release.pack(b"H", seg.id, offset, 1))
         return root  # type: ignore[return-value]
+
+
+def register_holder(pid: int, blocks: list[Block]) -> None:
+    """Process ``pid`` (a child just started) holds one handle to each of our ``blocks``.
+
+    It sends no hold records for them; if it dies before releasing them, even during
+    start-up, the liveness sweep drops its holds.
+    """
+    start = release.process_start_time(pid)
+    with _locked:
+        for block in blocks:
+            if (block.segment.id, block.offset) not in _allocator.remote_held:
+                continue
+            if start is None:
+                _drop_remote_locked(block, 1)  # already gone
+                continue
+            holders = block.holders if block.holders is not None else {}
+            block.holders = holders
+            holders[(pid, start)] = holders.get((pid, start), 0) + 1
+        if start is not None:
+            _start_times[pid] = start
 
 
 def flush_records() -> None:
@@ -747,6 +770,7 @@ def _after_fork_in_child() -> None:
             _close_if_unused(seg)
 
 
+release.set_flusher(flush_records)
 atexit.register(release_all_received)
 os.register_at_fork(
     before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child

@@ -213,11 +213,11 @@ def flush(block: bool) -> None:
 
 # Holds and releases are batched per creator: one datagram (and one wake-up of the creator's
 # thread) per batch instead of one or two per array. A batch goes out when it reaches
-# _OUTBOX_MAX records, before this process sends a message or blocks waiting for one (its busy
-# and idle points: a Pool worker's holds are out before its result is), with an acquire, at
-# the next allocation once _OUTBOX_AGE seconds old, and at normal exit. A release of a large
-# block goes at once (its creator may be waiting to reuse it). What a receiver SIGKILLed with a
-# batch still queued loses: those holds, so those (small) blocks stay pinned in the creator.
+# _OUTBOX_MAX records, before this process sends a message or blocks waiting for one, with an
+# acquire, and at the latest _OUTBOX_AGE seconds after its first record (a timer thread, so
+# also when the process is busy elsewhere or idle), and at normal exit. A release of a large
+# block goes at once (its creator may be waiting to reuse it). What a receiver SIGKILLed within
+# _OUTBOX_AGE of a receive loses: those holds, so those blocks stay pinned in their creator.
 # Callers hold the allocator lock.
 _OUTBOX_MAX = 64
 _OUTBOX_AGE = 0.05
@@ -226,17 +226,40 @@ _outbox_count = 0
 _outbox_since = 0.0
 
 
+_flusher: Callable[[], None] | None = None  # takes the allocator lock and flushes
+_timer: threading.Timer | None = None
+
+
+def set_flusher(flush: Callable[[], None]) -> None:
+    """Register the function the flush timer calls (it must take the caller's lock)."""
+    global _flusher
+    _flusher = flush
+
+
+def _on_timer() -> None:
+    global _timer
+    _timer = None
+    if _flusher is not None and has_queued():
+        _flusher()
+
+
 def post(address: bytes, record: bytes, urgent: bool = False) -> None:
     """Queue a hold or release record for the creator at ``address`` (see above)."""
-    global _outbox_count, _outbox_since
+    global _outbox_count, _outbox_since, _timer
     if not _outbox_count:
         _outbox_since = time.monotonic()
     _outbox.setdefault(address, []).append(record)
     _outbox_count += 1
     if urgent or _outbox_count >= _OUTBOX_MAX:
         post_flush()
-    else:
-        maybe_flush()
+        return
+    maybe_flush()
+    if _outbox_count and _timer is None:
+        # Whatever this process does next (or if it does nothing), the batch leaves within
+        # _OUTBOX_AGE: a receiver busy elsewhere, then SIGKILLed, has told its creator.
+        _timer = threading.Timer(_OUTBOX_AGE, _on_timer)
+        _timer.daemon = True
+        _timer.start()
 
 
 def take_queued(address: bytes) -> bytes:
@@ -269,9 +292,10 @@ def post_flush(block: bool = False) -> None:
 
 
 def reset_after_fork() -> None:
-    global _outbox_count
+    global _outbox_count, _timer
     _outbox.clear()
     _outbox_count = 0
+    _timer = None  # the parent's timer thread does not exist here
     for sock in _clients.values():
         try:
             sock.close()

@@ -37,7 +37,10 @@ from typing import Any
 
 from ..errors import HandleError
 
-__all__ = ["Message", "dumps", "loads", "register", "current_message", "take_fd"]
+__all__ = [
+    "Message", "dumps", "loads", "register", "current_message", "take_fd",
+    "process_args_parent", "current_process_args_parent",
+]
 
 _reducers: dict[type, Callable[[Any], Any]] = {}
 _table_cache: tuple[tuple[int, int, int], dict[type, Any]] | None = None
@@ -77,12 +80,13 @@ class Message:
             message alive until it is sent.
     """
 
-    __slots__ = ("data", "fds", "keepalive", "_index", "_undo")
+    __slots__ = ("data", "fds", "keepalive", "noted", "_index", "_undo")
 
     def __init__(self) -> None:
         self.data = b""
         self.fds: list[int] = []
         self.keepalive: list[object] = []
+        self.noted: list[object] = []  # this process's own blocks a handle was counted for
         self._index: dict[object, int] = {}
         self._undo: list[Callable[[], None]] = []
 
@@ -172,6 +176,15 @@ class _Received:
                     os.close(fd)
                 except OSError:
                     pass
+
+
+def process_args_parent(pid: int) -> None:
+    """While a child rebuilds its ``Process`` arguments: the parent's pid (0 otherwise)."""
+    _tls.process_args_parent = pid
+
+
+def current_process_args_parent() -> int:
+    return getattr(_tls, "process_args_parent", 0)
 
 
 def take_fd(index: int) -> int:

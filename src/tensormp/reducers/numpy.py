@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import memory
 from ..memory.allocator import find_block, forget_handle, note_handle
-from . import current_message, register, take_fd
+from . import current_message, current_process_args_parent, register, take_fd
 
 __all__ = ["reduce_ndarray", "rebuild_ndarray", "copy_to_shared"]
 
@@ -65,6 +65,8 @@ def reduce_ndarray(a: np.ndarray) -> Any:
     seg = block.segment
     owner_addr, token = note_handle(block)
     msg.on_abandon(lambda: forget_handle(block))
+    if owner_addr and not token:
+        msg.noted.append(block)
     index = msg.add_fd(seg.fd, seg.id, seg)
     msg.keepalive.append(root)
     return rebuild_ndarray, (
@@ -101,6 +103,8 @@ def rebuild_ndarray(
     readonly: bool,
     token: int = 0,
 ) -> np.ndarray:
+    # A Process argument from our parent's own memory: the parent registered us as holder.
+    announce = token != 0 or creator_pid != current_process_args_parent()
     root = memory.attach(
         seg_id,
         lambda: take_fd(fd_index),
@@ -111,6 +115,7 @@ def rebuild_ndarray(
         block_offset,
         capacity,
         token,
+        announce,
     )
     a = np.ndarray(shape, dtype, buffer=root, offset=offset, strides=strides)
     if readonly:
