@@ -471,3 +471,22 @@ def test_view_sent_back_to_creator_never_frees_memory_still_held(ctx):
     assert out.get(timeout=30) == []
     p.join(30)
     del junk
+
+
+def _sleep_with(a):
+    import time
+
+    time.sleep(60)
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_child_killed_during_start_up_cannot_pin_its_arguments(method):
+    ctx = mp.get_context(method)
+    a = mp.ones(1 << 20)  # 8 MiB, its own segment
+    p = ctx.Process(target=_sleep_with, args=(a,))
+    p.start()
+    os.kill(p.pid, signal.SIGKILL)  # most likely before it even unpickled its arguments
+    p.join(30)
+    del a
+    stats = _stats_after(lambda s: s["remote_held_bytes"] == 0, 10.0)
+    assert stats["remote_held_bytes"] == 0
