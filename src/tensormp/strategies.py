@@ -40,7 +40,7 @@ def set_sharing_strategy(new_strategy: str) -> None:
         )
     if new_strategy not in _AVAILABLE:
         raise ValueError(
-            f"unknown sharing strategy {new_strategy!r}; choose one of "
-            f"{sorted(_AVAILABLE + _PLANNED)}"
+            f"unknown sharing strategy {new_strategy!r}; this version supports "
+            f"{sorted(_AVAILABLE)}"
         )
     _strategy = new_strategy
