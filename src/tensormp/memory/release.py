@@ -25,11 +25,10 @@ from the kernel (``SCM_CREDENTIALS``), never from the record:
   been counted (an early arrival is remembered and cancels the acquire when it comes), so the
   count can never reach zero while the forwarder's view is out.
 
-``H`` and ``R`` never block the caller. An ``H`` that finds the creator's buffer full is
-dropped (the creator then cannot free that hold if the receiver dies); an ``R`` is kept and sent
-again before the next records and, blocking for at most 2 s, when the process exits. A record
-that cannot be delivered at all leaves its block pinned in the creator: memory held longer,
-never reused too early.
+``H`` and ``R`` never block the caller: they are queued and batched (see ``post``); records
+that find the creator's buffer full stay queued and are sent again, blocking for at most 2 s
+when the process exits. A record that cannot be delivered at all leaves its block pinned in
+the creator: memory held longer, never reused too early.
 
 The creator counts, per block, handles it pickled plus acquires minus released counts; it
 recycles a block when that count is zero and its own last view is dead. It also records which
@@ -55,8 +54,8 @@ import time
 from collections.abc import Callable
 
 __all__ = [
-    "ReleaseServer", "send_records", "flush", "pack", "post", "post_flush", "maybe_flush",
-    "process_start_time", "reset_after_fork",
+    "ReleaseServer", "send_records", "pack", "post", "post_flush", "maybe_flush", "take_queued",
+    "has_queued", "set_flusher", "process_start_time", "reset_after_fork",
 ]
 
 _RECORD = struct.Struct("<c16sQIQ")  # op, segment id, block offset, count, acquire token
@@ -154,7 +153,6 @@ class ReleaseServer:
 
 
 _clients: dict[bool, socket.socket] = {}  # blocking (with a timeout) -> socket
-_unsent: list[tuple[bytes, bytes]] = []  # releases that found a full buffer: retried later
 _BLOCKING_TIMEOUT = 2.0
 
 
@@ -185,30 +183,9 @@ def _sendto(address: bytes, data: bytes, blocking: bool) -> bool | None:
         raise
 
 
-def send_records(address: bytes, data: bytes, block: bool, retry: bool = False) -> bool:
-    """Send records to a creator; False when it is gone or (``block=False``) busy.
-
-    With ``retry``, records that find the creator's buffer full are kept and sent again
-    before the next records go out (and at exit, see :func:`flush`), so they are not lost.
-    """
-    if _unsent:
-        flush(block=False)
-    if _unsent and retry:
-        _unsent.append((address, data))  # keep the order behind what is already waiting
-        return False
-    sent = _sendto(address, data, block)
-    if sent is None and retry:
-        _unsent.append((address, data))
-    return bool(sent)
-
-
-def flush(block: bool) -> None:
-    """Send the records kept by ``send_records(..., retry=True)`` (blocking: bounded)."""
-    while _unsent:
-        address, data = _unsent[0]
-        if _sendto(address, data, block) is None:
-            return
-        _unsent.pop(0)
+def send_records(address: bytes, data: bytes, block: bool) -> bool:
+    """Send records to a creator now; False when it is gone or did not take them."""
+    return bool(_sendto(address, data, block))
 
 
 # Holds and releases are batched per creator: one datagram (and one wake-up of the creator's
@@ -216,16 +193,15 @@ def flush(block: bool) -> None:
 # _OUTBOX_MAX records, before this process sends a message or blocks waiting for one, with an
 # acquire, and at the latest _OUTBOX_AGE seconds after its first record (a timer thread, so
 # also when the process is busy elsewhere or idle), and at normal exit. A release of a large
-# block goes at once (its creator may be waiting to reuse it). What a receiver SIGKILLed within
-# _OUTBOX_AGE of a receive loses: those holds, so those blocks stay pinned in their creator.
-# Callers hold the allocator lock.
+# block goes at once (its creator may be waiting to reuse it). Records that find a creator's
+# buffer full stay queued, in order, and are tried again by the same triggers. What a receiver
+# SIGKILLed within _OUTBOX_AGE of a receive loses: those holds, so those blocks stay pinned in
+# their creator. Callers hold the allocator lock.
 _OUTBOX_MAX = 64
 _OUTBOX_AGE = 0.05
 _outbox: dict[bytes, list[bytes]] = {}
 _outbox_count = 0
 _outbox_since = 0.0
-
-
 _flusher: Callable[[], None] | None = None  # takes the allocator lock and flushes
 _timer: threading.Timer | None = None
 
@@ -243,23 +219,26 @@ def _on_timer() -> None:
         _flusher()
 
 
+def _arm_timer() -> None:
+    global _timer
+    if _outbox_count and _timer is None:
+        _timer = threading.Timer(_OUTBOX_AGE, _on_timer)
+        _timer.daemon = True
+        _timer.start()
+
+
 def post(address: bytes, record: bytes, urgent: bool = False) -> None:
     """Queue a hold or release record for the creator at ``address`` (see above)."""
-    global _outbox_count, _outbox_since, _timer
+    global _outbox_count, _outbox_since
     if not _outbox_count:
         _outbox_since = time.monotonic()
     _outbox.setdefault(address, []).append(record)
     _outbox_count += 1
     if urgent or _outbox_count >= _OUTBOX_MAX:
         post_flush()
-        return
-    maybe_flush()
-    if _outbox_count and _timer is None:
-        # Whatever this process does next (or if it does nothing), the batch leaves within
-        # _OUTBOX_AGE: a receiver busy elsewhere, then SIGKILLed, has told its creator.
-        _timer = threading.Timer(_OUTBOX_AGE, _on_timer)
-        _timer.daemon = True
-        _timer.start()
+    else:
+        maybe_flush()
+    _arm_timer()
 
 
 def take_queued(address: bytes) -> bytes:
@@ -271,7 +250,7 @@ def take_queued(address: bytes) -> bytes:
 
 
 def has_queued() -> bool:
-    return _outbox_count > 0 or bool(_unsent)
+    return _outbox_count > 0
 
 
 def maybe_flush() -> None:
@@ -281,14 +260,20 @@ def maybe_flush() -> None:
 
 def post_flush(block: bool = False) -> None:
     """Send every queued record now (``block``: wait up to 2 s for a full creator)."""
-    global _outbox_count
-    for address, records in _outbox.items():
+    global _outbox_count, _outbox_since
+    for address in list(_outbox):
+        records = _outbox.pop(address)
+        _outbox_count -= len(records)
         for start in range(0, len(records), _MAX_RECORDS):
-            send_records(address, b"".join(records[start : start + _MAX_RECORDS]), block, True)
-    _outbox.clear()
-    _outbox_count = 0
-    if block:
-        flush(block=True)
+            sent = _sendto(address, b"".join(records[start : start + _MAX_RECORDS]), block)
+            if sent is None:  # its buffer is full: keep the rest, in order, for later
+                rest = records[start:]
+                _outbox[address] = rest
+                _outbox_count += len(rest)
+                break
+            # False: the creator is gone and nothing of it can be recycled: drop the records.
+    _outbox_since = time.monotonic()
+    _arm_timer()
 
 
 def reset_after_fork() -> None:
@@ -302,4 +287,3 @@ def reset_after_fork() -> None:
         except OSError:
             pass
     _clients.clear()
-    _unsent.clear()
