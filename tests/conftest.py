@@ -11,10 +11,12 @@ import psutil
 import pytest
 
 import tensormp
+from tensormp.strategies import _client
 
 # Preload in the fork server so forkserver children start fast (numpy, tensormp imported once).
 multiprocessing.set_forkserver_preload(["numpy", "tensormp"])
 START_METHODS = ["spawn", "fork", "forkserver"]
+STRATEGIES = ["file_descriptor", "file_system"]
 
 
 def _fds() -> dict[int, str]:
@@ -28,10 +30,21 @@ def _fds() -> dict[int, str]:
 
 
 def _shm_names() -> set[str]:
+    """tensormp files in /dev/shm that belong to this test program (other programs of the
+    machine, such as a second test run, may create theirs meanwhile)."""
+    from tensormp.strategies import file_system
+
+    mine = file_system.program()
     try:
-        return {n for n in os.listdir("/dev/shm") if "tensormp" in n}
+        names = [n for n in os.listdir("/dev/shm") if "tensormp" in n]
     except OSError:
         return set()
+    out = set()
+    for n in names:
+        info = file_system.parse_name(n)
+        if info is None or info.program == mine:
+            out.add(n)
+    return out
 
 
 def _children() -> set[int]:
@@ -80,6 +93,7 @@ def no_leaks():
     before_shm = _shm_names()
     before_children = _children()
     yield
+    tensormp.set_sharing_strategy("file_descriptor")  # a test may have chosen file_system
     gc.collect()
     tensormp.empty_cache()
     leaked_children = wait_for(lambda: not (_children() - before_children), 10.0)
@@ -95,17 +109,21 @@ def no_leaks():
         gc.collect()
         tensormp.empty_cache()  # releases from other processes arrive asynchronously
         now = _fds()
-        # /dev/shm/pym-*: the stdlib heap behind Value/Array, kept for the process's life.
+        # /dev/shm/pym-*: the stdlib heap behind Value/Array, kept for the process's life; the
+        # connection to the file_system cleanup daemon lives as long as the process too.
+        daemon = _client.connection_fd()
         return {
             fd: t
             for fd, t in now.items()
-            if before_fds.get(fd) != t and not t.startswith("/dev/shm/pym-")
+            if before_fds.get(fd) != t and not t.startswith("/dev/shm/pym-") and fd != daemon
         }
 
     # Feeder threads close their pipes asynchronously: give them a moment.
     wait_for(lambda: not new_fds(), 5.0)
     leaked = new_fds()
     assert not leaked, f"fds leaked by the test: {leaked}"
+    # Names a dead creator left are removed by the cleanup daemon within about a second.
+    wait_for(lambda: _shm_names() <= before_shm, 5.0)
     assert _shm_names() <= before_shm, f"/dev/shm files leaked: {_shm_names() - before_shm}"
 
 

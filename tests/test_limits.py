@@ -101,7 +101,7 @@ def _memfd_holders(seg_ids: set[str]) -> dict[int, set[str]]:
                 names.update(line.split(None, 5)[-1].strip() for line in f)
         except OSError:
             continue
-        found = {s for s in seg_ids if any(f"tensormp-{s}" in n for n in names)}
+        found = {s for s in seg_ids if any(n.startswith("/memfd:tensormp-") and n.split()[0].endswith(f"-{s}") for n in names)}
         if found:
             held[int(pid)] = found
     return held

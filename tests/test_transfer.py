@@ -1,6 +1,7 @@
 """Arrays through every tensormp channel, under every start method.
 
-Each test body runs under spawn, fork and forkserver (the transfer paths).
+Each test body that takes ``ctx`` runs under spawn, fork and forkserver (the transfer paths),
+with each sharing strategy.
 """
 
 from __future__ import annotations
@@ -14,14 +15,21 @@ import numpy as np
 import pytest
 
 import tensormp as mp
-from conftest import START_METHODS
+from conftest import START_METHODS, STRATEGIES
 
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture(params=START_METHODS)
+@pytest.fixture(
+    params=[(m, s) for s in STRATEGIES for m in START_METHODS],
+    ids=lambda p: f"{p[0]}-{p[1]}",
+)
 def ctx(request):
-    return mp.get_context(request.param)
+    """A context of each start method, under each sharing strategy (the parent's strategy
+    applies in its children)."""
+    method, strategy = request.param
+    mp.set_sharing_strategy(strategy)
+    return mp.get_context(method)
 
 
 # -- children (module level so spawn can import them) -----------------------------------------

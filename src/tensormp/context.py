@@ -47,7 +47,7 @@ class _ProcessMixin:
         self.__dict__["_tensormp_keepalive"] = msg.keepalive
         self.__dict__["_tensormp_noted"] = msg.noted
         msg.sent()  # the child rebuilds (and later releases) these handles
-        return _rebuild_process, (type(self), msg.data, fds, os.getpid())
+        return _rebuild_process, (type(self), msg.data, fds, os.getpid(), _settings())
 
     def start(self) -> None:
         _child.before_start(self)
@@ -73,10 +73,31 @@ class _ProcessMixin:
             # The child ends with os._exit (no garbage collection): hand back what it received.
             allocator = sys.modules.get("tensormp.memory.allocator")
             if allocator is not None:
-                allocator.release_all_received()
+                allocator.process_exiting()
 
 
-def _rebuild_process(cls: type, data: bytes, fds: list[Any], parent_pid: int = 0) -> Any:
+def _settings() -> dict[str, Any]:
+    """What a child inherits from its parent besides its arguments: the sharing strategy (torch
+    drops it under spawn and forkserver) and the program it belongs to (``file_system``)."""
+    from . import strategies
+    from .strategies import file_system
+
+    return {"strategy": strategies.get_sharing_strategy(), "program": file_system.program()}
+
+
+def _apply_settings(settings: dict[str, Any]) -> None:
+    from . import strategies
+    from .strategies import file_system
+
+    strategies.set_sharing_strategy(settings["strategy"])
+    file_system.set_program(settings["program"])
+
+
+def _rebuild_process(
+    cls: type, data: bytes, fds: list[Any], parent_pid: int = 0, settings: Any = None
+) -> Any:
+    if settings is not None:
+        _apply_settings(settings)
     # Handles to the parent's own blocks are registered by the parent at start(): no hold
     # records for those (reducers.numpy reads parent_pid); others are announced at once.
     reducers.process_args_parent(parent_pid)

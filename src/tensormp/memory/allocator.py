@@ -62,6 +62,7 @@ __all__ = [
     "note_handle",
     "forget_handle",
     "release_all_received",
+    "process_exiting",
     "register_holder",
     "memory_stats",
     "empty_cache",
@@ -351,7 +352,11 @@ def _free_locked(ref: _RootRef) -> None:
         _keep_idle_foreign(seg)
 
 
-def _creator_alive(seg: Segment) -> bool:
+def _creator_alive(seg: Segment, thorough: bool = False) -> bool:
+    """Whether the segment's creator still runs. The quick check (``kill(pid, 0)``) takes a
+    zombie for alive; the thorough one (``/proc/<pid>/stat``) does not."""
+    if thorough:
+        return release.process_start_time(seg.creator_pid) is not None
     try:
         os.kill(seg.creator_pid, 0)
     except ProcessLookupError:
@@ -380,9 +385,38 @@ def _keep_idle_foreign(seg: Segment) -> None:
     now = time.monotonic()
     if now >= _next_idle_scan:
         _next_idle_scan = now + 1.0
-        for other in [s for s in _foreign_idle.values() if not _creator_alive(s)]:
-            _close_if_unused(other)
+        _close_idle_of_dead_creators()
     _trim_foreign(_allocator.cache_limit)
+    if _foreign_idle:
+        _start_idle_reaper()
+
+
+def _close_idle_of_dead_creators() -> None:
+    for other in [s for s in _foreign_idle.values() if not _creator_alive(s, thorough=True)]:
+        _close_if_unused(other)
+
+
+_reaper: threading.Thread | None = None
+
+
+def _start_idle_reaper() -> None:
+    """Check idle foreign mappings about once a second while there are any, so a process that
+    sits idle does not keep a dead creator's memory mapped (and, for ``file_system``
+    segments, does not keep the cleanup daemon from removing the file)."""
+    global _reaper
+    if _reaper is not None and _reaper.is_alive():
+        return
+    _reaper = threading.Thread(target=_reap_idle, name="tensormp-idle-mappings", daemon=True)
+    _reaper.start()
+
+
+def _reap_idle() -> None:
+    while True:
+        time.sleep(1.0)
+        with _locked:
+            _close_idle_of_dead_creators()
+            if not _foreign_idle:
+                return
 
 
 def _trim_foreign(limit_bytes: int) -> None:
@@ -490,6 +524,29 @@ def release_all_received() -> None:
                 release.post(seg.owner_addr, release.pack(b"R", seg.id, block.offset, block.received))
                 block.received = 0
         release.post_flush(block=True)
+
+
+_forked_segments: set[bytes] = set()  # segments alive when this process forked
+
+
+def process_exiting() -> None:
+    """This process is exiting (interpreter exit, or the end of a tensormp ``Process``):
+    release what it received, and remove the names of its ``file_system`` segments that never
+    left it (not sent, not inherited by a fork child); the cleanup daemon takes the rest once
+    nobody maps them."""
+    release_all_received()
+    with _locked:
+        pid = os.getpid()
+        for seg in list(_segments.values()):
+            if (
+                seg.name
+                and seg.creator_pid == pid
+                and not seg.owner_addr
+                and seg.id not in _forked_segments
+            ):
+                from ..strategies import file_system
+
+                file_system.unlink(seg.name)
 
 
 def _make_root_locked(block: Block) -> np.ndarray:
@@ -745,6 +802,7 @@ def _after_fork_in_parent() -> None:
     try:
         for block in _root_blocks.values():
             block.pinned = True
+        _forked_segments.update(s.id for s in _segments.values() if s.name)
     finally:
         _lock.release()
     _drain()
@@ -755,6 +813,9 @@ def _after_fork_in_child() -> None:
     _lock = threading.Lock()
     _acquired.clear()
     _early.clear()
+    _forked_segments.clear()
+    global _reaper
+    _reaper = None
     _pending = collections.deque()
     for block in _root_blocks.values():
         block.pinned = True
@@ -771,7 +832,7 @@ def _after_fork_in_child() -> None:
 
 
 release.set_flusher(flush_records)
-atexit.register(release_all_received)
+atexit.register(process_exiting)
 os.register_at_fork(
     before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
 )

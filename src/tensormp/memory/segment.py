@@ -1,4 +1,4 @@
-"""Segments: one ``memfd`` (an anonymous shared-memory file) and one mapping of it.
+"""Segments: one ``memfd`` (an anonymous shared-memory file) or one named file, and one mapping.
 
 Protocol and ownership
 ----------------------
@@ -14,6 +14,11 @@ Protocol and ownership
   a Unix socket, or the fd inheritance of a process start), never by name. So there is no
   name to leak: the kernel frees the memory when the last fd and the last mapping are gone, in
   whatever order processes exit, ``kill -9`` included.
+* Under the ``file_system`` strategy a segment is instead a named file in the shm directory
+  (``strategies/file_system.py`` has the names and who removes them): the process maps it and
+  closes the fd at once (``Segment.fd`` is -1, ``Segment.name`` is set), and handles carry the
+  name. The creator removes the name when its allocator lets the segment go; the cleanup
+  daemon removes names that a dead creator left and nobody can need.
 * Closing a segment unmaps it and closes its fd in this process only. Every array tensormp
   hands out is a view of a block *root* (``allocator.py``), and views keep their root alive,
   so the allocator closes a segment only when the last root in it has died: no array can
@@ -29,7 +34,7 @@ import os
 
 from ..errors import SharedMemoryError
 
-__all__ = ["Segment", "format_bytes"]
+__all__ = ["Segment", "NamedFd", "format_bytes"]
 
 PAGE_SIZE = mmap.PAGESIZE
 
@@ -54,6 +59,17 @@ def _map(fd: int, size: int) -> int:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
     return addr
+
+
+class NamedFd(int):
+    """An fd of a named segment's file that remembers the name (see :meth:`Segment.attach`)."""
+
+    name: str
+
+    def __new__(cls, fd: int, name: str) -> NamedFd:
+        self = super().__new__(cls, fd)
+        self.name = name
+        return self
 
 
 def format_bytes(n: float) -> str:
@@ -134,12 +150,15 @@ class Segment:
 
     __slots__ = (
         "id", "fd", "size", "creator_pid", "owner_addr", "address", "buffer", "kind", "roots",
-        "__weakref__",
+        "name", "__weakref__",
     )
 
-    def __init__(self, seg_id: bytes, fd: int, size: int, creator_pid: int, kind: str) -> None:
+    def __init__(
+        self, seg_id: bytes, fd: int, size: int, creator_pid: int, kind: str, name: str = ""
+    ) -> None:
         self.id = seg_id
         self.fd = fd
+        self.name = name  # file name under the file_system strategy ("" for a memfd)
         self.size = size
         self.creator_pid = creator_pid
         self.kind = kind  # "arena" (many small blocks) or "large" (one block)
@@ -147,10 +166,15 @@ class Segment:
         try:
             self.address = _map(fd, size)
         except OSError as e:
-            os.close(fd)
             raise SharedMemoryError(
                 e.errno, f"cannot map a shared-memory segment of {format_bytes(size)}: {e.strerror}"
             ) from None
+        finally:
+            if name or not hasattr(self, "address"):
+                # A named segment keeps no fd (the mapping is all it needs); a failed map
+                # gives its fd back.
+                os.close(fd)
+                self.fd = -1
         # A buffer-protocol view of the mapping; roots are numpy views of it.
         self.buffer: ctypes.Array[ctypes.c_ubyte] | None = (
             ctypes.c_ubyte * size
@@ -167,6 +191,10 @@ class Segment:
                 bytes cannot be reserved; the message gives requested and available bytes.
         """
         size = max(PAGE_SIZE, -(-size // PAGE_SIZE) * PAGE_SIZE)
+        from .. import strategies
+
+        if strategies.get_sharing_strategy() == "file_system":
+            return cls._create_named(size, kind)
         avail = available_memory()
         if avail is not None and size > avail:
             # Checked first: reserving a memfd past the available memory does not fail
@@ -179,7 +207,7 @@ class Segment:
             )
         seg_id = os.urandom(16)
         try:
-            fd = os.memfd_create("tensormp-" + seg_id.hex(), os.MFD_CLOEXEC)
+            fd = os.memfd_create(f"tensormp-{os.getpid()}-{seg_id.hex()}", os.MFD_CLOEXEC)
         except OSError as e:
             if e.errno in (errno.EMFILE, errno.ENFILE):
                 from ..errors import FdLimitError
@@ -216,6 +244,27 @@ class Segment:
             ) from None
         return seg
 
+    @classmethod
+    def _create_named(cls, size: int, kind: str) -> Segment:
+        from ..strategies import _client
+        from ..strategies import file_system as fs
+
+        avail = available_memory()
+        if avail is not None and size > avail:  # a tmpfs larger than memory would OOM
+            raise SharedMemoryError(
+                errno.ENOMEM,
+                f"cannot reserve {format_bytes(size)} of shared memory in {fs.shm_dir()}: only "
+                f"{format_bytes(avail)} of memory is available to this process. Free memory, "
+                "raise the container's memory limit, or send smaller arrays.",
+            )
+        name = fs.new_name()
+        _client.created(name)  # before the file exists: the daemon then knows its history
+        fd = fs.create(name, size)  # reserved with posix_fallocate; ENOSPC raises here
+        seg = cls(bytes.fromhex(name[-32:]), fd, size, os.getpid(), kind, name)
+        # The pages are reserved; map them now too, so the first copy runs at memory speed.
+        _libc.madvise(seg.address, seg.size, _MADV_POPULATE_WRITE)
+        return seg
+
     def _reserve(self) -> None:
         """Allocate every page now, so no later access can fail with SIGBUS.
 
@@ -234,8 +283,9 @@ class Segment:
 
     @classmethod
     def attach(cls, seg_id: bytes, fd: int, size: int, creator_pid: int, kind: str) -> Segment:
-        """Map a segment received from another process; takes ownership of ``fd``."""
-        return cls(seg_id, fd, size, creator_pid, kind)
+        """Map a segment received from another process; takes ownership of ``fd`` (closed at
+        once when it is a :class:`NamedFd`, which carries the segment's name)."""
+        return cls(seg_id, fd, size, creator_pid, kind, getattr(fd, "name", ""))
 
     def close(self) -> None:
         """Unmap and close the fd in this process.
@@ -246,6 +296,10 @@ class Segment:
         if self.buffer is not None:
             self.buffer = None
             _libc.munmap(self.address, self.size)
+            if self.name and self.creator_pid == os.getpid():
+                from ..strategies import file_system as fs
+
+                fs.unlink(self.name)  # the creator lets it go: no handle to it is out
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -256,7 +310,8 @@ class Segment:
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"fd={self.fd} roots={len(self.roots)}"
+        kind = f"file {self.name[:24]}..." if self.name else "memfd"
         return (
-            f"<Segment memfd {self.kind} {format_bytes(self.size)} id={self.id.hex()[:8]} "
+            f"<Segment {kind} {self.kind} {format_bytes(self.size)} id={self.id.hex()[:8]} "
             f"creator={self.creator_pid} {state}>"
         )

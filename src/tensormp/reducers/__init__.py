@@ -38,7 +38,7 @@ from typing import Any
 from ..errors import HandleError
 
 __all__ = [
-    "Message", "dumps", "loads", "register", "current_message", "take_fd",
+    "Message", "dumps", "loads", "register", "current_message", "take_fd", "note_named",
     "process_args_parent", "current_process_args_parent",
 ]
 
@@ -80,13 +80,14 @@ class Message:
             message alive until it is sent.
     """
 
-    __slots__ = ("data", "fds", "keepalive", "noted", "_index", "_undo")
+    __slots__ = ("data", "fds", "keepalive", "noted", "named", "_index", "_undo")
 
     def __init__(self) -> None:
         self.data = b""
         self.fds: list[int] = []
         self.keepalive: list[object] = []
         self.noted: list[object] = []  # this process's own blocks a handle was counted for
+        self.named: set[str] = set()  # named segments (file_system strategy) it refers to
         self._index: dict[object, int] = {}
         self._undo: list[Callable[[], None]] = []
 
@@ -111,8 +112,16 @@ class Message:
         if self._undo:
             self.abandon()
 
-    def add_fd(self, fd: int, key: object, owner: object) -> int:
-        """Attach ``fd`` (owned by ``owner``; deduplicated by ``key``); returns its index."""
+    def add_fd(self, fd: int, key: object, owner: object) -> int | str:
+        """Attach ``fd`` (owned by ``owner``; deduplicated by ``key``); returns its index.
+
+        A named segment (``owner.name`` set: the ``file_system`` strategy) travels by name
+        instead: no fd is attached and the name is returned; :func:`take_fd` accepts either.
+        """
+        name = getattr(owner, "name", None)
+        if name and isinstance(name, str):
+            self.named.add(name)
+            return name
         index = self._index.get(key)
         if index is None:
             index = self._index[key] = len(self.fds)
@@ -145,6 +154,13 @@ def dumps(obj: object) -> Message:
         buf = io.BytesIO()
         _Pickler(buf).dump(obj)
         msg.data = buf.getvalue()
+        if msg.named:
+            # Tell the cleanup daemon before the message can leave (file_system strategy).
+            from ..strategies import _client
+
+            names = list(msg.named)
+            _client.sent(names)
+            msg.on_abandon(lambda: _client.received(names))
     except BaseException:
         msg.abandon()
         raise
@@ -154,11 +170,12 @@ def dumps(obj: object) -> Message:
 
 
 class _Received:
-    __slots__ = ("fds", "taken")
+    __slots__ = ("fds", "taken", "named")
 
     def __init__(self, fds: list[int]) -> None:
         self.fds = fds
         self.taken = [False] * len(fds)
+        self.named: set[str] = set()
 
     def take(self, index: int) -> int:
         if not 0 <= index < len(self.fds) or self.taken[index]:
@@ -187,8 +204,19 @@ def current_process_args_parent() -> int:
     return getattr(_tls, "process_args_parent", 0)
 
 
-def take_fd(index: int) -> int:
-    """Inside a rebuild function: take ownership of the message's fd number ``index``.
+def note_named(ref: int | str) -> None:
+    """Inside a rebuild function: the handle refers to segment ``ref`` (an fd index, or a
+    named segment's name, whose receipt the cleanup daemon is told about after the rebuild)."""
+    if type(ref) is str:
+        stack = getattr(_tls, "loading", None)
+        if stack:
+            stack[-1].named.add(ref)
+
+
+def take_fd(index: int | str) -> int:
+    """Inside a rebuild function: take ownership of the message's fd number ``index``, or
+    open the named segment ``index`` (a ``str``: the ``file_system`` strategy; the fd returned
+    then carries the name, see ``memory.segment.NamedFd``).
 
     Raises:
         HandleError: called outside :func:`loads` (the pickle did not come through a tensormp
@@ -201,7 +229,13 @@ def take_fd(index: int) -> int:
             "file descriptors are missing; send it through a tensormp Queue, Pipe or Process "
             "argument, or call tensormp.reducers.loads(data, fds)"
         )
-    return stack[-1].take(index)
+    if type(index) is str:
+        from ..memory.segment import NamedFd
+        from ..strategies import file_system
+
+        stack[-1].named.add(index)
+        return NamedFd(file_system.open_named(index), index)
+    return stack[-1].take(index)  # type: ignore[arg-type]
 
 
 def loads(data: bytes | bytearray | memoryview, fds: list[int]) -> Any:
@@ -210,7 +244,12 @@ def loads(data: bytes | bytearray | memoryview, fds: list[int]) -> Any:
     stack = _tls.__dict__.setdefault("loading", [])
     stack.append(received)
     try:
-        return pickle.loads(data)
+        obj = pickle.loads(data)
     finally:
         stack.pop()
         received.close_untaken()
+    if received.named:  # the arrays are mapped now: the daemon may stop counting them in flight
+        from ..strategies import _client
+
+        _client.received(received.named)
+    return obj

@@ -1,6 +1,6 @@
 """Reduce/rebuild pair for ``numpy.ndarray``.
 
-A handle is ``(segment id, fd index, segment size, creator pid, segment kind, creator's release
+A handle is ``(segment id, fd index (or file name, for a named segment), segment size, creator pid, segment kind, creator's release
 address, block offset, block capacity, byte offset of the first element in the block, dtype,
 shape, strides, read-only)``: about 200 bytes whatever the array's size. The bytes themselves never enter
 the pickle.
@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import memory
 from ..memory.allocator import find_block, forget_handle, note_handle
-from . import current_message, current_process_args_parent, register, take_fd
+from . import current_message, current_process_args_parent, note_named, register, take_fd
 
 __all__ = ["reduce_ndarray", "rebuild_ndarray", "copy_to_shared"]
 
@@ -89,7 +89,7 @@ def reduce_ndarray(a: np.ndarray) -> Any:
 
 def rebuild_ndarray(
     seg_id: bytes,
-    fd_index: int,
+    fd_index: int | str,
     seg_size: int,
     creator_pid: int,
     kind: str,
@@ -103,6 +103,7 @@ def rebuild_ndarray(
     readonly: bool,
     token: int = 0,
 ) -> np.ndarray:
+    note_named(fd_index)
     # A Process argument from our parent's own memory: the parent registered us as holder.
     announce = token != 0 or creator_pid != current_process_args_parent()
     root = memory.attach(

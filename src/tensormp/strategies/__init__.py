@@ -1,0 +1,50 @@
+"""Sharing strategies, with ``torch.multiprocessing``'s API.
+
+* ``file_descriptor`` (the default): segments are anonymous memfds whose fds travel inside each
+  message. Nothing has a name, so nothing can leak, and the size of ``/dev/shm`` does not
+  matter. A process holds one fd per segment it maps (small arrays share segments).
+* ``file_system``: segments are named files in the shm directory (``$TENSORMP_SHM_DIR``,
+  default ``/dev/shm``) that a process maps and closes at once, so no fd is held per segment;
+  messages carry names. A per-user cleanup daemon removes the files that no live process maps
+  and no unread message carries (``file_system.py`` and ``_daemon.py`` have the rules). The
+  files count against the shm directory's size: a full one raises ``SharedMemoryError``
+  (``ENOSPC``) at allocation.
+
+The strategy decides how *new* segments are made; a receiver rebuilds arrays sent under either
+one. Unlike ``torch.multiprocessing``, the strategy set in a parent also applies in the
+children a tensormp context starts (spawn and forkserver included).
+"""
+
+from __future__ import annotations
+
+__all__ = ["get_all_sharing_strategies", "get_sharing_strategy", "set_sharing_strategy"]
+
+_AVAILABLE = ("file_descriptor", "file_system")
+_strategy = "file_descriptor"
+
+
+def get_all_sharing_strategies() -> set[str]:
+    """The sharing strategies this build supports (a set, as in torch)."""
+    return set(_AVAILABLE)
+
+
+def get_sharing_strategy() -> str:
+    """The current sharing strategy (``"file_descriptor"`` by default)."""
+    return _strategy
+
+
+def set_sharing_strategy(new_strategy: str) -> None:
+    """Choose how new shared memory is made and crosses processes (as ``torch.multiprocessing``).
+
+    Applies to segments created from now on, in this process and in the children tensormp
+    contexts start later. Arrays already shared keep their kind.
+
+    Raises:
+        ValueError: ``new_strategy`` is not one of :func:`get_all_sharing_strategies`.
+    """
+    global _strategy
+    if new_strategy not in _AVAILABLE:
+        raise ValueError(
+            f"unknown sharing strategy {new_strategy!r}; choose one of {sorted(_AVAILABLE)}"
+        )
+    _strategy = new_strategy

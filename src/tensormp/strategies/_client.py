@@ -1,0 +1,219 @@
+"""A process's connection to the ``file_system`` cleanup daemon (protocol: ``_daemon.py``).
+
+Every record is written synchronously, in the thread that causes it, before the event it
+announces can be observed by anyone else: ``C`` before the file is created, ``S`` before the
+message leaves (right after it is pickled), ``R`` after the rebuilt arrays are mapped. That
+order is what lets the daemon count a handle in flight without ever seeing a receiver's
+``R`` before the sender's ``S`` is readable.
+
+A forked child never writes on its parent's connection (the daemon would count its records
+as the parent's): the connection is dropped in the child at fork and the child connects on its
+first record. A daemon that died (``EPIPE``/``ECONNRESET``) is restarted once per record;
+if that fails, creating a named segment raises, and ``S``/``R`` records are dropped (the
+segment is then kept until its program ends: never freed early).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable
+
+from ..errors import TensormpError
+from . import _daemon
+from . import file_system as fs
+
+__all__ = ["created", "sent", "received", "request", "connection_fd", "start_daemon"]
+
+_lock = threading.Lock()
+_sock: socket.socket | None = None
+_sock_dir: str | None = None
+_CONNECT_TIMEOUT = 10.0
+_MAX_PACKET = 32 << 10
+
+
+def start_daemon(shm: str) -> None:
+    """Start the daemon for ``shm`` (no-op if one is already serving it).
+
+    Raises:
+        TensormpError: the daemon could not start (its launcher's message included).
+    """
+    env = dict(os.environ)
+    env.pop("PYTHONSTARTUP", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tensormp.strategies._daemon", shm],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        timeout=30,
+        env=env,
+        cwd="/",
+        close_fds=True,
+    )
+    if proc.returncode != 0:
+        raise TensormpError(
+            f"cannot start the tensormp cleanup daemon for {shm}: "
+            f"{proc.stderr.decode(errors='replace').strip() or f'exit status {proc.returncode}'}"
+        )
+
+
+def _hello(sock: socket.socket, path: str) -> None:
+    ppid, pstart = fs.program()
+    sock.send(f"HELLO {_daemon.PROTOCOL} {ppid} {pstart}\n".encode())
+    reply = sock.recv(256).decode(errors="replace").split()
+    if len(reply) >= 3 and reply[0] == "OK":
+        return
+    if len(reply) >= 3 and reply[0] == "VERSION":
+        raise TensormpError(
+            f"the tensormp cleanup daemon (pid {reply[2]}, socket {path}) speaks protocol "
+            f"{reply[1]}, this tensormp speaks {_daemon.PROTOCOL}: use one tensormp version in "
+            f"every process, or stop the old daemon (kill {reply[2]}; the next tensormp "
+            "process starts a new one, and no memory is lost)"
+        )
+    raise TensormpError(f"unexpected answer from the tensormp cleanup daemon at {path}: {reply}")
+
+
+def _connect() -> socket.socket:
+    shm = fs.shm_dir()
+    path = _daemon.socket_path(shm)
+    deadline = time.monotonic() + _CONNECT_TIMEOUT
+    started = False
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        sock.settimeout(_CONNECT_TIMEOUT)
+        try:
+            sock.connect(path)
+            _hello(sock, path)
+            return sock
+        except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, BrokenPipeError):
+            sock.close()
+            if time.monotonic() > deadline:
+                raise TensormpError(
+                    f"cannot reach the tensormp cleanup daemon at {path} within "
+                    f"{_CONNECT_TIMEOUT:.0f} s"
+                ) from None
+            if not started:
+                start_daemon(shm)
+                started = True
+            else:
+                time.sleep(0.05)
+        except BaseException:
+            sock.close()
+            raise
+
+
+def _send_locked(packets: list[bytes], must: bool) -> None:
+    global _sock, _sock_dir
+    for attempt in (0, 1):
+        try:
+            if _sock is None or _sock_dir != fs.shm_dir():
+                if _sock is not None:
+                    _sock.close()
+                _sock = None
+                _sock = _connect()
+                _sock_dir = fs.shm_dir()
+            for packet in packets:
+                _sock.send(packet)
+            return
+        except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError, TimeoutError):
+            if _sock is not None:
+                _sock.close()
+                _sock = None
+            if attempt:
+                if must:
+                    raise TensormpError(
+                        "lost the tensormp cleanup daemon and could not restart it"
+                    ) from None
+                return
+        except TensormpError:
+            if must:
+                raise
+            return
+
+
+def _packets(op: str, names: Iterable[str], n: int | None) -> list[bytes]:
+    out: list[bytes] = []
+    buf: list[str] = []
+    size = 0
+    for name in names:
+        line = f"{op} {name}\n" if n is None else f"{op} {name} {n}\n"
+        if size + len(line) > _MAX_PACKET and buf:
+            out.append("".join(buf).encode())
+            buf, size = [], 0
+        buf.append(line)
+        size += len(line)
+    if buf:
+        out.append("".join(buf).encode())
+    return out
+
+
+def created(name: str) -> None:
+    """``name`` is about to be created by this process.
+
+    Raises:
+        TensormpError: no daemon could be reached or started (the segment must not be made:
+            nobody would remove it if this process were killed).
+    """
+    with _lock:
+        _send_locked(_packets("C", [name], None), must=True)
+
+
+def sent(names: Iterable[str]) -> None:
+    """One message carrying handles to each of ``names`` is about to leave this process."""
+    packets = _packets("S", names, 1)
+    if packets:
+        with _lock:
+            _send_locked(packets, must=False)
+
+
+def received(names: Iterable[str]) -> None:
+    """One message carrying ``names`` was rebuilt here (or was not sent after all)."""
+    packets = _packets("R", names, 1)
+    if packets:
+        with _lock:
+            _send_locked(packets, must=False)
+
+
+def request(what: str, shm: str | None = None, start: bool = False) -> dict | None:
+    """Ask the daemon of ``shm`` for ``"STATE"`` or ``"GC"`` on a connection of its own;
+    None when no daemon serves it (and ``start`` is False)."""
+    import json
+
+    shm = shm or fs.shm_dir()
+    path = _daemon.socket_path(shm)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    sock.settimeout(_CONNECT_TIMEOUT)
+    try:
+        try:
+            sock.connect(path)
+        except (FileNotFoundError, ConnectionRefusedError):
+            if not start:
+                return None
+            start_daemon(shm)
+            sock.connect(path)
+        _hello(sock, path)
+        sock.send(f"{what}\n".encode())
+        return json.loads(sock.recv(1 << 16))  # type: ignore[no-any-return]
+    finally:
+        sock.close()
+
+
+def connection_fd() -> int | None:
+    """The fd of this process's daemon connection (for fd-leak checks), or None."""
+    return _sock.fileno() if _sock is not None else None
+
+
+def _after_fork_in_child() -> None:
+    global _lock, _sock
+    _lock = threading.Lock()
+    if _sock is not None:
+        # Not ours to write on; closing our copy leaves the parent's connection open.
+        _sock.close()
+        _sock = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
