@@ -3,7 +3,8 @@
 
 Run ``python benchmarks/transfer.py`` (1.5 to 3 minutes on 2 cores), ``--quick`` (about 30 s),
 ``--only big,pingpong`` to pick workloads (``big``, ``pingpong``, ``small``, ``medium``),
-``--no-torch`` to leave torch out, ``-v`` to see how long each pair of workers ran. Every
+``--no-torch`` to leave torch out, ``--strategy file_system`` for tensormp's named
+segments, ``-v`` to see how long each pair of workers ran. Every
 number is a median over repetitions measured in this run, warm-up excluded; every ratio compares
 two numbers of this run, so the machine's speed cancels out (targets: DESIGN.md section 5).
 
@@ -805,6 +806,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="print the wall time of every pair of workers")
     parser.add_argument("--no-pin", action="store_true",
                         help="do not pin the two ping-pong processes to two different CPUs")
+    parser.add_argument("--strategy", default="file_descriptor",
+                        choices=sorted(tensormp.get_all_sharing_strategies()),
+                        help="tensormp's sharing strategy (inherited by its workers)")
     parser.add_argument("--fd-limit", type=int, default=1024,
                         help="soft RLIMIT_NOFILE of the small/medium workers (0: inherit)")
     args = parser.parse_args(argv)
@@ -814,6 +818,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown workload(s) {unknown}; choose from {list(WORKLOADS)}")
     selected = [w for w in WORKLOADS if not only or w in only]
 
+    tensormp.set_sharing_strategy(args.strategy)
     bench = Bench(args)
     started = time.perf_counter()
     torch_note = ""
@@ -828,7 +833,8 @@ def main(argv: list[str] | None = None) -> int:
         torch_note = "torch is not importable: its column is skipped"
     print(f"tensormp {tensormp.__version__}, numpy {np.__version__}, Python "
           f"{sys.version.split()[0]}, {os.cpu_count()} CPUs, {torch_note}; "
-          f"start method spawn; {'quick' if args.quick else 'full'} run: {', '.join(selected)}; "
+          f"start method spawn; tensormp strategy {args.strategy}; "
+          f"{'quick' if args.quick else 'full'} run: {', '.join(selected)}; "
           f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
 
     for w in selected:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import atexit
 import collections
 import os
+import sys
 import threading
 import time
 import weakref
@@ -535,6 +536,9 @@ def process_exiting() -> None:
     left it (not sent, not inherited by a fork child); the cleanup daemon takes the rest once
     nobody maps them."""
     release_all_received()
+    client = sys.modules.get("tensormp.strategies._client")
+    if client is not None:
+        client.flush()
     with _locked:
         pid = os.getpid()
         for seg in list(_segments.values()):
@@ -733,6 +737,9 @@ def flush_records() -> None:
     if release.has_queued():
         with _locked:
             release.post_flush()
+    client = sys.modules.get("tensormp.strategies._client")
+    if client is not None and client.has_pending():
+        client.flush()
 
 
 def memory_stats() -> dict[str, int]:

@@ -1,10 +1,13 @@
 """A process's connection to the ``file_system`` cleanup daemon (protocol: ``_daemon.py``).
 
-Every record is written synchronously, in the thread that causes it, before the event it
-announces can be observed by anyone else: ``C`` before the file is created, ``S`` before the
-message leaves (right after it is pickled), ``R`` after the rebuilt arrays are mapped. That
-order is what lets the daemon count a handle in flight without ever seeing a receiver's
-``R`` before the sender's ``S`` is readable.
+``C`` and ``S`` records are written synchronously, in the thread that causes them, before
+the event they announce can be observed by anyone else: ``C`` before the file is created,
+``S`` before the message leaves (right after it is pickled). ``R`` records (sent after the
+rebuilt arrays are mapped) are queued and sent within 50 ms (see :func:`received`): a late
+``R`` only keeps a segment longer. That order is what lets the daemon count a handle in flight
+without ever reading a receiver's ``R`` before the sender's ``S`` is readable. A receiver
+SIGKILLed in the 50 ms before its ``R`` left keeps the segment counted in flight: it is then
+removed when its program ends, never early.
 
 A forked child never writes on its parent's connection (the daemon would count its records
 as the parent's): the connection is dropped in the child at fork and the child connects on its
@@ -15,6 +18,7 @@ segment is then kept until its program ends: never freed early).
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import subprocess
@@ -27,7 +31,10 @@ from ..errors import TensormpError
 from . import _daemon
 from . import file_system as fs
 
-__all__ = ["created", "sent", "received", "request", "connection_fd", "start_daemon"]
+__all__ = [
+    "created", "sent", "received", "flush", "has_pending", "request", "connection_fd",
+    "start_daemon",
+]
 
 _lock = threading.Lock()
 _sock: socket.socket | None = None
@@ -170,12 +177,51 @@ def sent(names: Iterable[str]) -> None:
             _send_locked(packets, must=False)
 
 
+_pending: dict[str, int] = {}  # R records not sent yet: name -> messages
+_pending_timer: threading.Timer | None = None
+_PENDING_MAX = 256
+_PENDING_AGE = 0.05  # seconds
+
+
 def received(names: Iterable[str]) -> None:
-    """One message carrying ``names`` was rebuilt here (or was not sent after all)."""
-    packets = _packets("R", names, 1)
-    if packets:
-        with _lock:
-            _send_locked(packets, must=False)
+    """One message carrying ``names`` was rebuilt here (or was not sent after all).
+
+    Queued, not sent: an ``R`` that comes late only keeps a segment a little longer. The
+    queue is sent within 50 ms (a timer), when it holds 256 names, before this process sends
+    or waits for a message (:func:`flush`, through the allocator's flush points), and at exit.
+    """
+    global _pending_timer
+    with _lock:
+        for name in names:
+            _pending[name] = _pending.get(name, 0) + 1
+        if len(_pending) >= _PENDING_MAX:
+            _flush_locked()
+        elif _pending and _pending_timer is None:
+            _pending_timer = threading.Timer(_PENDING_AGE, flush)
+            _pending_timer.daemon = True
+            _pending_timer.start()
+
+
+def has_pending() -> bool:
+    return bool(_pending)
+
+
+def flush() -> None:
+    """Send the queued ``R`` records now."""
+    with _lock:
+        _flush_locked()
+
+
+def _flush_locked() -> None:
+    global _pending_timer
+    _pending_timer = None
+    if not _pending:
+        return
+    packets: list[bytes] = []
+    for n in set(_pending.values()):
+        packets += _packets("R", [k for k, v in _pending.items() if v == n], n)
+    _pending.clear()
+    _send_locked(packets, must=False)
 
 
 def request(what: str, shm: str | None = None, start: bool = False) -> dict | None:
@@ -208,8 +254,10 @@ def connection_fd() -> int | None:
 
 
 def _after_fork_in_child() -> None:
-    global _lock, _sock
+    global _lock, _sock, _pending_timer
     _lock = threading.Lock()
+    _pending.clear()  # the parent sends its own
+    _pending_timer = None
     if _sock is not None:
         # Not ours to write on; closing our copy leaves the parent's connection open.
         _sock.close()
@@ -217,3 +265,4 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(flush)
