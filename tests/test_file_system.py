@@ -256,6 +256,14 @@ def test_daemon_checks_protocol_version(monkeypatch, shm_dir):
         assert sock.recv(256).split()[:3] == [b"VERSION", str(_daemon.PROTOCOL).encode(),
                                               str(state["pid"]).encode()]
         assert sock.recv(256) == b""  # and it hangs up
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.settimeout(10)
+        sock.connect(path)
+        sock.send(f"HELLO {_daemon.PROTOCOL} 1 1\n".encode())
+        assert sock.recv(256).startswith(b"OK ")
+        sock.send(b"S tensormp-x notanumber\n")  # malformed: this client is dropped...
+        assert sock.recv(256) == b""
+    assert _client.request("STATE")["pid"] == state["pid"]  # ...the daemon serves on
     monkeypatch.setattr(_daemon, "PROTOCOL", _daemon.PROTOCOL + 1)
     with pytest.raises(TensormpError, match=rf"pid {state['pid']}.*kill {state['pid']}"):
         _client.request("STATE")

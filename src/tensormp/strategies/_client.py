@@ -51,6 +51,9 @@ def start_daemon(shm: str) -> None:
     """
     env = dict(os.environ)
     env.pop("PYTHONSTARTUP", None)
+    # The daemon must import this very tensormp, wherever the program found it.
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
         [sys.executable, "-m", "tensormp.strategies._daemon", shm],
         stdin=subprocess.DEVNULL,
@@ -72,6 +75,8 @@ def _hello(sock: socket.socket, path: str) -> None:
     ppid, pstart = fs.program()
     sock.send(f"HELLO {_daemon.PROTOCOL} {ppid} {pstart}\n".encode())
     reply = sock.recv(256).decode(errors="replace").split()
+    if not reply:
+        raise _Retry
     if len(reply) >= 3 and reply[0] == "OK":
         return
     if len(reply) >= 3 and reply[0] == "VERSION":
@@ -84,11 +89,18 @@ def _hello(sock: socket.socket, path: str) -> None:
     raise TensormpError(f"unexpected answer from the tensormp cleanup daemon at {path}: {reply}")
 
 
+class _Retry(TensormpError):
+    """The daemon went away during the greeting (it was exiting): connect again."""
+
+    def __init__(self) -> None:
+        super().__init__("the tensormp cleanup daemon hung up while greeting (it was exiting)")
+
+
 def _connect() -> socket.socket:
     shm = fs.shm_dir()
     path = _daemon.socket_path(shm)
     deadline = time.monotonic() + _CONNECT_TIMEOUT
-    started = False
+    last_start = 0.0
     while True:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         sock.settimeout(_CONNECT_TIMEOUT)
@@ -96,18 +108,22 @@ def _connect() -> socket.socket:
             sock.connect(path)
             _hello(sock, path)
             return sock
-        except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, BrokenPipeError):
+        except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, BrokenPipeError,
+                _Retry):
             sock.close()
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise TensormpError(
                     f"cannot reach the tensormp cleanup daemon at {path} within "
-                    f"{_CONNECT_TIMEOUT:.0f} s"
+                    f"{_CONNECT_TIMEOUT:.0f} s (its log: {_daemon.runtime_dir()}/daemon.log)"
                 ) from None
-            if not started:
+            if now - last_start > 0.5:
+                # None serves it, or one is exiting: start one (a no-op while another holds
+                # the lock; we then retry until the exiting one is gone).
                 start_daemon(shm)
-                started = True
+                last_start = time.monotonic()
             else:
-                time.sleep(0.05)
+                time.sleep(0.02)
         except BaseException:
             sock.close()
             raise

@@ -7,8 +7,8 @@ Design note
 ``setsid()``: the daemon has no parent among the clients, no terminal and no process group of
 theirs, so it outlives any of them (``kill -9`` of the whole program included). It holds an
 exclusive ``flock`` on its lock file for its life, so two clients starting daemons at once end
-with one daemon. Its socket and lock live in :func:`runtime_dir` (``$XDG_RUNTIME_DIR/tensormp``
-or ``/tmp/tensormp-<uid>``), created 0700 and checked to belong to this uid; the socket name
+with one daemon. Its socket and lock live in :func:`runtime_dir` (``/tmp/tensormp-<uid>``),
+created 0700 and checked to belong to this uid; the socket name
 includes the shm directory's device and inode, so a process with another ``/dev/shm`` (another
 mount namespace, another ``$TENSORMP_SHM_DIR``) talks to a daemon that sees its files.
 
@@ -46,7 +46,10 @@ start a new one, which has lost the in-flight counts: it keeps every segment it 
 created until its program has ended (and reclaims at once the orphans of programs that are
 gone); ``tensormp gc`` applies the same rule without any daemon.
 
-The daemon exits after :data:`IDLE_EXIT` seconds with no client and no named segment left.
+The daemon exits after :data:`IDLE_EXIT` seconds with no client and no named segment left,
+removing its socket and lock file first (a client that connects during the exit retries and
+starts a new daemon). All daemons of a user append to one log, ``daemon.log`` (reset past
+1 MiB).
 """
 
 from __future__ import annotations
@@ -72,14 +75,14 @@ _LOG_MAX = 1 << 20
 
 
 def runtime_dir() -> str:
-    """The private (0700) directory of the daemon's socket, lock and log; created if needed.
+    """The private (0700) directory of the daemon's socket, lock and log, ``/tmp/tensormp-<uid>``
+    (one fixed place, so every process of a user finds the same daemon); created if needed.
 
     Raises:
         PermissionError: the directory exists but is not a 0700 directory of this uid.
     """
     uid = os.getuid()
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    path = os.path.join(base, "tensormp") if base and os.path.isdir(base) else f"/tmp/tensormp-{uid}"
+    path = f"/tmp/tensormp-{uid}"
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
@@ -89,7 +92,7 @@ def runtime_dir() -> str:
         raise PermissionError(
             f"{path} must be a directory of uid {uid} with mode 0700 (it is owned by "
             f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); remove it, or set "
-            "XDG_RUNTIME_DIR to a private directory"
+            "restart the program"
         )
     return path
 
@@ -122,6 +125,8 @@ class Daemon:
 
     def __init__(self, shm: str, listener: socket.socket, log: object) -> None:
         self.shm = shm
+        self.socket_path = listener.getsockname()
+        self.lock_path = self.socket_path[: -len(".sock")] + ".lock"
         self.listener = listener
         self.log = log
         self.clients: dict[int, _Client] = {}
@@ -132,7 +137,9 @@ class Daemon:
 
     def _say(self, text: str) -> None:
         try:
-            self.log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")  # type: ignore[attr-defined]
+            self.log.write(  # type: ignore[attr-defined]
+                f"{time.strftime('%Y-%m-%d %H:%M:%S')} [{os.getpid()} {self.shm}] {text}\n"
+            )
             self.log.flush()  # type: ignore[attr-defined]
         except (OSError, ValueError):
             pass
@@ -182,6 +189,13 @@ class Daemon:
             self._drop(client)
 
     def _handle(self, client: _Client, data: bytes) -> None:
+        try:
+            self._handle_lines(client, data)
+        except (ValueError, IndexError) as e:  # a malformed record: drop that client only
+            self._say(f"dropped pid {client.pid}: malformed record ({e})")
+            self._drop(client)
+
+    def _handle_lines(self, client: _Client, data: bytes) -> None:
         for line in data.decode("ascii", "replace").splitlines():
             parts = line.split()
             if not parts:
@@ -214,7 +228,9 @@ class Daemon:
                 self._reply(client, {
                     "pid": os.getpid(), "protocol": PROTOCOL, "clients": len(self.clients),
                     "shm_dir": self.shm, "started": self.started,
-                    "in_flight": {k: v for k, v in self.flight.items() if v > 0},
+                    # At most 500 names (one packet); "in_flight_total" counts them all.
+                    "in_flight": dict(list((k, v) for k, v in self.flight.items() if v > 0)[:500]),
+                    "in_flight_total": sum(1 for v in self.flight.values() if v > 0),
                     "known": len(self.created),
                 })
             elif op == "GC":
@@ -257,6 +273,15 @@ class Daemon:
                 self.flight.pop(f.name, None)
         return freed
 
+    def _remove_files(self) -> None:
+        # Still holding the lock: a client that finds no socket starts a new daemon, which
+        # gets the lock once this process has exited (clients retry until then).
+        for path in (self.socket_path, self.lock_path):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
     def serve(self) -> None:
         next_collect = time.monotonic()
         while True:
@@ -268,6 +293,7 @@ class Daemon:
                     self.idle_since = now
                 elif now - self.idle_since > IDLE_EXIT:
                     self._say("idle: exiting")
+                    self._remove_files()
                     return
             fds = [self.listener.fileno(), *self.clients]
             try:
@@ -298,7 +324,7 @@ def _bind(shm: str) -> tuple[socket.socket, object, int] | None:
     listener.bind(path)
     listener.listen(128)
     listener.setblocking(False)
-    log_path = os.path.join(rundir, f"daemon-{key}.log")
+    log_path = os.path.join(rundir, "daemon.log")  # shared by this user's daemons (O_APPEND)
     try:
         if os.path.getsize(log_path) > _LOG_MAX:
             os.unlink(log_path)
