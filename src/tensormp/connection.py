@@ -41,6 +41,11 @@ __all__ = ["Connection", "Pipe"]
 _HEADER = struct.Struct("<IQ")
 _MAX_FDS = 253  # SCM_MAX_FD
 _ANC_SPACE = socket.CMSG_SPACE(_MAX_FDS * 4)
+# Plain ints: the socket module's IntFlag members cost an enum operation (~2 us) per message.
+_MSG_CMSG_CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
+_MSG_CTRUNC = int(socket.MSG_CTRUNC)
+_SOL_SOCKET = int(socket.SOL_SOCKET)
+_SCM_RIGHTS = int(socket.SCM_RIGHTS)
 _FD_SIZE = struct.calcsize("i")
 _INFLIGHT_TIMEOUT = 60.0
 
@@ -116,13 +121,13 @@ class Connection(_mpc.Connection):
 
     def _recv_fds(self, nbytes: int) -> tuple[bytes, list[int], bool]:
         """``recvmsg``: (bytes, fds received, whether fds were lost to MSG_CTRUNC)."""
-        data, anc, flags, _ = self._sock.recvmsg(nbytes, _ANC_SPACE, socket.MSG_CMSG_CLOEXEC)
+        data, anc, flags, _ = self._sock.recvmsg(nbytes, _ANC_SPACE, _MSG_CMSG_CLOEXEC)
         fds: list[int] = []
         for level, kind, payload in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
                 usable = len(payload) - len(payload) % _FD_SIZE
                 fds.extend(struct.unpack(f"{usable // _FD_SIZE}i", payload[:usable]))
-        return data, fds, bool(flags & socket.MSG_CTRUNC)
+        return data, fds, bool(flags & _MSG_CTRUNC)
 
     def _recv_message(self) -> tuple[bytearray | bytes, list[int]]:
         allocator = sys.modules.get("tensormp.memory.allocator")
