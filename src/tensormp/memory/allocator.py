@@ -578,6 +578,11 @@ def allocate(nbytes: int) -> np.ndarray:
     """
     if nbytes < 0:
         raise ValueError(f"cannot allocate a negative number of bytes ({nbytes})")
+    server = _allocator.server
+    if nbytes > SMALL_MAX and server is not None:
+        # A large block is worth recycling: count every release already in our socket first
+        # (the server thread batches them; see release.py).
+        server.drain()
     with _locked:
         release.maybe_flush()
         return _make_root_locked(_allocator.allocate(nbytes))

@@ -38,6 +38,15 @@ holder): a SIGKILLed receiver cannot pin memory. What it cannot learn: a handle 
 rebuilt (a message dropped unread, a receiver killed before ``get``) pins its block until the
 creator exits. Bounded, visible in ``memory_stats()`` (``remote_held_bytes``), never unsafe.
 
+The creator processes records strictly in arrival order (one reader of its socket at a time)
+but not necessarily at once: its server thread, woken by a datagram, drains everything waiting,
+then sleeps 1 ms so that the next records arrive as a batch (one wake-up per batch, not two per
+ping-pong round trip). Delay is safe because of the order: an ``A`` always precedes, in the same
+socket, every release of the handle it covers, so a count that has reached zero never has an
+unread ``A`` for that block behind it; unread records only postpone a recycling. Before a large
+allocation, the allocating thread drains the socket itself, so a block released just before is
+reused instead of a new segment being made.
+
 SIGKILL of the creator: senders get ``ECONNREFUSED`` and stop caring; receivers keep valid
 memory (the kernel frees a memfd only when the last fd and mapping are gone). SIGKILL of a
 receiver: its releases never come; see above.
@@ -47,6 +56,7 @@ from __future__ import annotations
 
 import errno
 import os
+import select
 import socket
 import struct
 import threading
@@ -61,6 +71,9 @@ __all__ = [
 _RECORD = struct.Struct("<c16sQIQ")  # op, segment id, block offset, count, acquire token
 _UCRED = struct.Struct("iII")  # pid, uid, gid
 _MAX_RECORDS = 256
+_DATAGRAM = _RECORD.size * _MAX_RECORDS
+_ANC = socket.CMSG_SPACE(_UCRED.size)
+_BATCH_DELAY = 0.001  # seconds the server thread lets records accumulate after a batch
 
 
 def pack(op: bytes, seg_id: bytes, offset: int, count: int, token: int = 0) -> bytes:
@@ -101,39 +114,67 @@ class ReleaseServer:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self._sock.bind(self.address)
-        self._sock.settimeout(sweep_interval)
+        self._interval = sweep_interval  # the socket stays blocking: drain() uses MSG_DONTWAIT
         self._handler = handler
         self._sweep = sweep
+        self._read_lock = threading.Lock()  # one reader at a time keeps records in order
         self._uid = os.getuid()
         self._thread = threading.Thread(target=self._serve, name="tensormp release", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
-        sock = self._sock
-        interval = sock.gettimeout() or 1.0
+        interval = self._interval
         next_sweep = time.monotonic() + interval
+        poller = select.poll()
+        poller.register(self._sock.fileno(), select.POLLIN)
         while True:
             now = time.monotonic()
             if now >= next_sweep:  # also under steady traffic, not only when idle
                 self._safely(self._sweep)
                 next_sweep = now + interval
             try:
-                data, anc, _flags, _addr = sock.recvmsg(
-                    _RECORD.size * _MAX_RECORDS, socket.CMSG_SPACE(_UCRED.size)
-                )
-            except TimeoutError:
+                ready = poller.poll(max(0.0, next_sweep - time.monotonic()) * 1000)
+            except InterruptedError:
                 continue
-            except OSError:
+            if not ready:
+                continue
+            if ready[0][1] & (select.POLLNVAL | select.POLLERR):
                 return  # closed (fork child, interpreter exit)
-            pid = uid = None
-            for level, kind, payload in anc:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
-                    pid, uid, _gid = _UCRED.unpack(payload[: _UCRED.size])
-            if uid != self._uid or pid is None:
-                continue  # not one of ours: ignore
-            for start in range(0, len(data) - len(data) % _RECORD.size, _RECORD.size):
-                op, seg_id, offset, count, token = _RECORD.unpack_from(data, start)
-                self._safely(self._handler, op, seg_id, offset, count, pid, token)
+            with self._read_lock:
+                if not self._drain_locked():
+                    return
+            # Let records pile up for a moment: one wake-up per batch instead of one per record
+            # (a ping-pong sends two datagrams per round trip). Records only ever delay a
+            # recycling, and a large allocation drains the socket first (drain()).
+            time.sleep(_BATCH_DELAY)
+
+    def drain(self) -> None:
+        """Process every record waiting in the socket now, in this thread. Records are
+        processed in arrival order whoever reads them (one reader at a time). The caller
+        must not hold the allocator's lock (the handler takes it)."""
+        with self._read_lock:
+            self._drain_locked()
+
+    def _drain_locked(self) -> bool:
+        while True:
+            try:
+                data, anc, _flags, _addr = self._sock.recvmsg(_DATAGRAM, _ANC, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError:
+                return False
+            self._process(data, anc)
+
+    def _process(self, data: bytes, anc: list[tuple[int, int, bytes]]) -> None:
+        pid = uid = None
+        for level, kind, payload in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                pid, uid, _gid = _UCRED.unpack(payload[: _UCRED.size])
+        if uid != self._uid or pid is None:
+            return  # not one of ours: ignore
+        for start in range(0, len(data) - len(data) % _RECORD.size, _RECORD.size):
+            op, seg_id, offset, count, token = _RECORD.unpack_from(data, start)
+            self._safely(self._handler, op, seg_id, offset, count, pid, token)
 
     @staticmethod
     def _safely(fn: Callable[..., None], *args: object) -> None:
