@@ -356,3 +356,23 @@ def test_out_of_space_error_names_the_fix(monkeypatch, shm_dir, file_system):
         mp.empty(free + (1 << 30), dtype=np.uint8)
     assert info.value.errno in (28, 12)  # ENOSPC, or ENOMEM when memory is the limit
     assert not _names(shm_dir)
+
+
+@pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
+def test_normal_exit_is_silent_and_leaves_no_file(shm_dir, strategy):
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "exit_clean.py"), strategy],
+        env=_env(shm_dir), capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""  # nothing printed by children or by the parent at exit
+    res = json.loads(proc.stdout)
+    assert res == {"first": 300_000.0, "second": 300_045.0, "exitcodes": [0, 0], "a00": 99.0}
+    # Every handle came back released before exit: the creator removed its own files.
+    assert not _names(shm_dir)
+
+
+def test_missing_shm_dir_is_a_clear_error(monkeypatch, file_system, tmp_path):
+    monkeypatch.setenv("TENSORMP_SHM_DIR", str(tmp_path / "nope"))
+    with pytest.raises(SharedMemoryError, match="does not exist or is not a directory"):
+        mp.zeros(10)

@@ -509,7 +509,9 @@ def _check_shm(shm: str) -> list[Check]:
     where = "TENSORMP_SHM_DIR" if os.environ.get("TENSORMP_SHM_DIR") else "the default"
     if not os.path.isdir(shm):
         return [Check(
-            "shm_dir", "PROBLEM", f"shm directory {shm} ({where}) does not exist",
+            "shm_dir", "PROBLEM",
+            f"shm directory {shm} ({where}) "
+            + ("is not a directory" if os.path.exists(shm) else "does not exist"),
             f"create it (a tmpfs: mount -t tmpfs tmpfs {shm}) or set TENSORMP_SHM_DIR to one; "
             "the file_system strategy needs it (the default file_descriptor strategy does not)",
             {"path": shm},
@@ -548,7 +550,8 @@ def _check_shm(shm: str) -> list[Check]:
         out.append(Check(
             "shm_size", "WARN",
             f"{shm} holds only {_fmt(total)} ({_fmt(free)} free): Docker's default size. "
-            "Named segments (file_system strategy) and multiprocessing's locks live there",
+            "Named segments (file_system strategy) live there"
+            + (", and so do multiprocessing's locks" if os.path.realpath(shm) == "/dev/shm" else ""),
             "start the container with --shm-size=8g, or use the file_descriptor strategy "
             "(the default), whose memory does not count against it", sizes,
         ))

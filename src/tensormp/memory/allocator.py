@@ -329,6 +329,11 @@ def _drain() -> None:
 
 
 def _root_died(ref: _RootRef) -> None:
+    if _exiting or sys.is_finalizing():
+        # Roots dying while the interpreter shuts down: everything this process received was
+        # released by process_exiting(), and the kernel unmaps the rest. Doing more here would
+        # run on half-torn-down modules (or start a thread, which hangs at shutdown).
+        return
     _pending.append(ref)
     _drain()
 
@@ -405,7 +410,7 @@ def _start_idle_reaper() -> None:
     sits idle does not keep a dead creator's memory mapped (and, for ``file_system``
     segments, does not keep the cleanup daemon from removing the file)."""
     global _reaper
-    if _reaper is not None and _reaper.is_alive():
+    if (_reaper is not None and _reaper.is_alive()) or _exiting or sys.is_finalizing():
         return
     _reaper = threading.Thread(target=_reap_idle, name="tensormp-idle-mappings", daemon=True)
     _reaper.start()
@@ -528,24 +533,32 @@ def release_all_received() -> None:
 
 
 _forked_segments: set[bytes] = set()  # segments alive when this process forked
+_exiting = False
 
 
 def process_exiting() -> None:
     """This process is exiting (interpreter exit, or the end of a tensormp ``Process``):
-    release what it received, and remove the names of its ``file_system`` segments that never
-    left it (not sent, not inherited by a fork child); the cleanup daemon takes the rest once
-    nobody maps them."""
+    release what it received, and remove the names of its ``file_system`` segments that no
+    other process can need: none of their blocks is held or in flight elsewhere (every handle
+    sent came back released, counted after reading every record already in our socket) and no
+    fork child inherited them. The cleanup daemon takes the rest once nobody maps them."""
+    global _exiting
     release_all_received()
     client = sys.modules.get("tensormp.strategies._client")
-    if client is not None:
+    if client is not None and getattr(client, "_ready", False):
         client.flush()
+    server = _allocator.server
+    if server is not None and _allocator.pid == os.getpid():
+        server.drain()
     with _locked:
+        _exiting = True
         pid = os.getpid()
+        held = {seg_id for seg_id, _offset in _allocator.remote_held}
         for seg in list(_segments.values()):
             if (
                 seg.name
                 and seg.creator_pid == pid
-                and not seg.owner_addr
+                and seg.id not in held
                 and seg.id not in _forked_segments
             ):
                 from ..strategies import file_system
@@ -743,7 +756,8 @@ def flush_records() -> None:
         with _locked:
             release.post_flush()
     client = sys.modules.get("tensormp.strategies._client")
-    if client is not None and client.has_pending():
+    # getattr: the module may be half-imported in another thread (sys.modules has it early).
+    if client is not None and getattr(client, "_ready", False) and client.has_pending():
         client.flush()
 
 
@@ -826,8 +840,9 @@ def _after_fork_in_child() -> None:
     _acquired.clear()
     _early.clear()
     _forked_segments.clear()
-    global _reaper
+    global _reaper, _exiting
     _reaper = None
+    _exiting = False
     _pending = collections.deque()
     for block in _root_blocks.values():
         block.pinned = True

@@ -219,8 +219,8 @@ def _sendto(address: bytes, data: bytes, blocking: bool) -> bool | None:
     except OSError as e:
         if e.errno in (errno.ECONNREFUSED, errno.ENOENT):
             return False
-        if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS):
-            return None
+        if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS, errno.EMFILE, errno.ENFILE):
+            return None  # full, or we are out of fds for the client socket: try again later
         raise
 
 

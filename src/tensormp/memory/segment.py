@@ -249,6 +249,14 @@ class Segment:
         from ..strategies import _client
         from ..strategies import file_system as fs
 
+        directory = fs.shm_dir()
+        if not os.path.isdir(directory):
+            raise SharedMemoryError(
+                errno.ENOENT,
+                f"the shm directory {directory} (TENSORMP_SHM_DIR) does not exist or is not a "
+                "directory: create it (on a tmpfs), unset TENSORMP_SHM_DIR to use /dev/shm, or "
+                "use the file_descriptor strategy",
+            )
         avail = available_memory()
         if avail is not None and size > avail:  # a tmpfs larger than memory would OOM
             raise SharedMemoryError(

@@ -282,3 +282,4 @@ def _after_fork_in_child() -> None:
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 atexit.register(flush)
+_ready = True  # fully imported (other modules look it up in sys.modules)
