@@ -52,6 +52,10 @@ _LAZY = {
     "ones_like": "arrays", "full_like": "arrays",
     "memory_stats": "memory", "empty_cache": "memory", "set_cache_limit": "memory",
     "get_cache_limit": "memory",
+    # Pool itself is the context's (a stdlib name, set above); these load pool.py / futures.py.
+    "WorkerLostError": "pool", "BrokenPoolError": "pool",
+    "ProcessPoolExecutor": "futures", "TerminatedWorkerError": "futures",
+    "BrokenExecutorError": "futures",
 }
 
 
@@ -80,5 +84,7 @@ __all__ = [  # noqa: PLE0604 - the stdlib names are added below
     "spawn", "start_processes", "ProcessContext", "SpawnContext", "ProcessException",
     "ProcessRaisedException", "ProcessExitedException", "ProcessTimeoutError",
     "ProcessFailure", "SpawnBootstrapError",
+    "WorkerLostError", "BrokenPoolError", "ProcessPoolExecutor", "TerminatedWorkerError",
+    "BrokenExecutorError",
 ]
 __all__ += _STDLIB_NAMES

@@ -1,9 +1,8 @@
 """Contexts per start method (fork, spawn, forkserver) and the processes they start.
 
 Each tensormp context is the stdlib context of the same start method with tensormp's queues,
-pipes and processes swapped in; everything else (locks, managers, ``Pool``...) is the
-stdlib's, built on those. ``Pool`` therefore moves arrays through shared memory too: the
-stdlib pool talks to its workers through ``ctx.SimpleQueue``.
+pipes, processes and ``Pool`` (``pool.py``: arrays as shared memory, dead workers reported)
+swapped in; everything else (locks, managers...) is the stdlib's, built on those.
 
 Process arguments
 -----------------
@@ -167,6 +166,22 @@ class _ContextMixin:
         from .connection import Pipe
 
         return Pipe(duplex)
+
+    def Pool(
+        self,
+        processes: int | None = None,
+        initializer: Any = None,
+        initargs: Any = (),
+        maxtasksperchild: int | None = None,
+    ) -> Any:
+        """A :class:`tensormp.pool.Pool` of this context's start method (arrays travel as
+        shared memory; a dead worker fails its task instead of hanging the pool)."""
+        from .pool import Pool
+
+        return Pool(
+            processes, initializer, initargs, maxtasksperchild,
+            context=self.get_context(),  # type: ignore[attr-defined]
+        )
 
 
 class _ForkContext(_ContextMixin, _mpctx.ForkContext):

@@ -1,0 +1,278 @@
+"""``ProcessPoolExecutor``: ``concurrent.futures.ProcessPoolExecutor`` whose arguments and
+results travel through shared memory, on the engine of :class:`tensormp.Pool` (``pool.py``
+has the design note: per-worker channels, one manager thread, dead-worker attribution).
+
+What differs from ``concurrent.futures``, and why:
+
+* **A dead worker** (a signal, the OOM killer, ``os._exit``, a crash) fails only the future it
+  was running, with :class:`TerminatedWorkerError` (loky's name; a ``BrokenProcessPool``, so
+  ``except BrokenProcessPool`` still works) carrying its pid, exit code or signal name and the
+  task. The executor replaces the worker and stays usable: since each worker has its own
+  channel, the manager knows which task each one held (``concurrent.futures`` cannot tell,
+  so it fails every pending future and breaks the executor).
+* **An initializer that raises** breaks the executor, as in ``concurrent.futures``, with
+  :class:`BrokenExecutorError` (a ``BrokenProcessPool``) chained to the initializer's
+  exception.
+* ``map`` takes ``progress=True`` (tqdm) or ``progress=callable(done, total)``.
+* ``fn`` may be a lambda or a closure (cloudpickle).
+* ``max_tasks_per_child`` works with every start method (``concurrent.futures`` refuses
+  ``fork``); a worker's results outlive it.
+* Futures move to RUNNING when their task is sent to a worker, which may be shortly before the
+  worker starts it (as ``concurrent.futures``, whose call queue holds a few tasks ahead).
+* ``shutdown(wait=True)``, at ``with`` exit or interpreter exit, waits for the submitted work,
+  as ``concurrent.futures``; garbage collecting the executor lets the work finish without
+  waiting.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor, Future, InvalidStateError
+from concurrent.futures.process import BrokenProcessPool
+from multiprocessing import util as _mputil
+from typing import Any
+
+from .pool import (
+    _CALL,
+    _STARMAP,
+    BrokenPoolError,
+    WorkerLostError,
+    _cpu_count,
+    _Engine,
+    _prepare,
+    _Progress,
+    _Task,
+)
+
+__all__ = ["ProcessPoolExecutor", "TerminatedWorkerError", "BrokenExecutorError"]
+
+
+class TerminatedWorkerError(WorkerLostError, BrokenProcessPool):
+    """A worker died while running this future's task (see :class:`tensormp.WorkerLostError`
+    for the attributes ``pid``, ``exitcode``, ``signal_name``, ``task``).
+
+    Also a ``concurrent.futures.process.BrokenProcessPool``, for code written against the
+    stdlib; unlike there, the executor is not broken: it replaced the worker.
+    """
+
+
+class BrokenExecutorError(BrokenPoolError, BrokenProcessPool):
+    """The executor cannot run tasks (its initializer raised, workers cannot start), or it was
+    shut down before this task finished. A ``BrokenProcessPool``, as in ``concurrent.futures``.
+    """
+
+
+def _future_sink(future: Future[Any], ok: bool, value: Any) -> None:
+    if future.done():
+        return  # cancelled
+    try:
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+    except InvalidStateError:  # cancelled meanwhile
+        pass
+
+
+def _close_at_gc(engine: _Engine) -> None:
+    engine.close()
+    if _mputil.is_exiting():  # interpreter exit: finish the work, as concurrent.futures
+        engine.join()
+
+
+class ProcessPoolExecutor(Executor):
+    """A ``concurrent.futures`` executor running calls in worker processes; numpy arrays in
+    arguments and results cross as shared memory.
+
+    Same signature and semantics as ``concurrent.futures.ProcessPoolExecutor`` (Python 3.11),
+    with the differences listed in the module notes (a dead worker fails one future with
+    :class:`TerminatedWorkerError` and the executor stays usable; ``progress=`` on ``map``;
+    lambdas).
+
+    Args:
+        max_workers: number of worker processes (default: the CPUs this process may run on).
+        mp_context: a start-method context (tensormp's or the stdlib's; tensormp's of the same
+            start method is used); default: tensormp's default context.
+        initializer: called as ``initializer(*initargs)`` in each worker when it starts.
+        initargs: arguments for ``initializer``; arrays arrive as shared memory.
+        max_tasks_per_child: calls (or ``map`` chunks) a worker runs before it is replaced.
+
+    Raises:
+        ValueError: ``max_workers <= 0`` or ``max_tasks_per_child < 1``.
+        TypeError: ``initializer`` is not callable, or ``initargs`` is not a tuple.
+    """
+
+    def __init__(
+        self,
+        max_workers: int | None = None,
+        mp_context: Any = None,
+        initializer: Callable[..., Any] | None = None,
+        initargs: tuple[Any, ...] = (),
+        *,
+        max_tasks_per_child: int | None = None,
+    ) -> None:
+        from .context import get_context
+
+        ctx = get_context(None if mp_context is None else mp_context.get_start_method())
+        if max_workers is None:
+            max_workers = _cpu_count()
+        if isinstance(max_workers, bool) or not isinstance(max_workers, int):
+            raise TypeError(f"max_workers must be an int or None, got {type(max_workers).__name__}")
+        if max_workers <= 0:
+            raise ValueError(f"max_workers must be greater than 0, got {max_workers}")
+        if max_tasks_per_child is not None and (
+            isinstance(max_tasks_per_child, bool)
+            or not isinstance(max_tasks_per_child, int)
+            or max_tasks_per_child < 1
+        ):
+            raise ValueError(f"max_tasks_per_child must be >= 1, got {max_tasks_per_child!r}")
+        if initializer is not None and not callable(initializer):
+            raise TypeError(f"initializer must be a callable, got {type(initializer).__name__}")
+        if not isinstance(initargs, (tuple, list)):
+            raise TypeError(
+                f"initargs must be a tuple, got {type(initargs).__name__}; for one argument "
+                "write initargs=(x,)"
+            )
+        init = None if initializer is None else _prepare(initializer, "initializer").wire
+        self._max_workers = max_workers
+        self._shutdown_lock = threading.Lock()
+        self._shutdown_thread = False
+        self._engine = _Engine(
+            ctx=ctx, processes=max_workers, initializer=init, initargs=tuple(initargs),
+            maxtasks=max_tasks_per_child, owner="tensormp.ProcessPoolExecutor",
+            lost_error=TerminatedWorkerError, broken_error=BrokenExecutorError,
+        )
+        _mputil.Finalize(self, _close_at_gc, (self._engine,), exitpriority=10)
+
+    def _check(self) -> None:
+        if self._engine._broken_msg is not None:
+            raise self._engine.broken()
+        if self._shutdown_thread:
+            raise RuntimeError("cannot schedule new futures after shutdown")
+        if _mputil.is_exiting():
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Schedule ``fn(*args, **kwargs)``; returns a ``Future``.
+
+        Raises:
+            RuntimeError: the executor was shut down.
+            BrokenExecutorError: the executor is broken (a ``BrokenProcessPool``).
+            TypeError: ``fn`` is not callable.
+        """
+        with self._shutdown_lock:
+            self._check()
+            ref = _prepare(fn, "fn")
+            future: Future[Any] = Future()
+            task = _Task(
+                ref, _CALL, (args, kwargs), functools.partial(_future_sink, future),
+                ("submit", ref.name, args, kwargs), start=future.set_running_or_notify_cancel,
+                owner=future,
+            )
+            self._engine.submit([task])
+            return future
+
+    def map(
+        self,
+        fn: Callable[..., Any],
+        *iterables: Iterable[Any],
+        timeout: float | None = None,
+        chunksize: int = 1,
+        progress: Any = False,
+    ) -> Iterator[Any]:
+        """``fn(*args)`` for ``args`` in ``zip(*iterables)``: an iterator of the results, in
+        order (as ``concurrent.futures``: every task is submitted at once).
+
+        Args:
+            timeout: seconds from this call after which ``__next__`` raises ``TimeoutError``.
+            chunksize: items per task.
+            progress: True for a tqdm bar, or a callable ``progress(done, total)``; counts the
+                items the caller has taken.
+
+        Raises:
+            ValueError: ``chunksize < 1``.
+            ImportError: ``progress=True`` and tqdm is not installed.
+            RuntimeError, BrokenExecutorError: as :meth:`submit`.
+        """
+        if isinstance(chunksize, bool) or not isinstance(chunksize, int) or chunksize < 1:
+            raise ValueError(f"chunksize must be >= 1, got {chunksize!r}")
+        end_time = None if timeout is None else timeout + time.monotonic()
+        want = _Progress.check(progress)
+        items = zip(*iterables)
+        with self._shutdown_lock:
+            self._check()
+            ref = _prepare(fn, "fn")
+            futures: list[Future[Any]] = []
+            tasks = []
+            first = 0
+            for index in itertools.count():
+                chunk = list(itertools.islice(items, chunksize))
+                if not chunk:
+                    break
+                future: Future[Any] = Future()
+                tasks.append(_Task(
+                    ref, _STARMAP, chunk, functools.partial(_future_sink, future),
+                    ("map", ref.name, index, None, first, len(chunk)),
+                    start=future.set_running_or_notify_cancel, owner=future,
+                ))
+                futures.append(future)
+                first += len(chunk)
+            if tasks:
+                self._engine.submit(tasks)
+        reporter = _Progress(progress, first, ref.name) if want else None
+        return _results(futures, end_time, reporter)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """No new tasks; the workers exit once the submitted ones are done (as
+        ``concurrent.futures``).
+
+        Args:
+            wait: block until the work is done and the workers have exited.
+            cancel_futures: cancel the futures whose task was not sent to a worker yet.
+        """
+        with self._shutdown_lock:
+            self._shutdown_thread = True
+            if cancel_futures:
+                for task in self._engine.take_pending():
+                    if task.owner is not None:
+                        task.owner.cancel()
+        self._engine.close()
+        if wait:
+            self._engine.join()
+
+    def __repr__(self) -> str:
+        engine = self._engine
+        pids = [w.pid for w in list(engine.workers) if not w.gone]
+        state = "broken" if engine._broken_msg else ("shutdown" if self._shutdown_thread else "running")
+        return (
+            f"<tensormp.ProcessPoolExecutor {state} max_workers={self._max_workers} "
+            f"start_method={engine.method} pids={pids}>"
+        )
+
+
+def _results(
+    futures: list[Future[Any]], end_time: float | None, reporter: _Progress | None
+) -> Iterator[Any]:
+    done = 0
+    try:
+        futures.reverse()
+        while futures:
+            future = futures.pop()
+            if end_time is None:
+                chunk = future.result()
+            else:
+                chunk = future.result(end_time - time.monotonic())
+            for item in chunk:
+                done += 1
+                if reporter is not None:
+                    reporter.update(done)
+                yield item
+    finally:
+        for future in futures:
+            future.cancel()
+        if reporter is not None:
+            reporter.close()
