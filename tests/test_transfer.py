@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import tensormp as mp
-from conftest import START_METHODS, STRATEGIES
+from conftest import START_METHODS, STRATEGIES, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -498,3 +498,34 @@ def test_child_killed_during_start_up_cannot_pin_its_arguments(method):
     del a
     stats = _stats_after(lambda s: s["remote_held_bytes"] == 0, 10.0)
     assert stats["remote_held_bytes"] == 0
+
+
+def _hold_then_drop(q, done):
+    a = q.get()
+    done.get()  # wait until the parent has forked and dropped its own view
+    del a
+
+
+def _idle():
+    pass
+
+
+def test_block_sent_then_pinned_by_a_fork_is_counted_once():
+    """Sent (counted), then pinned by a fork, then dropped here before the receiver releases:
+    released exactly once (the counters used to go negative and the arena leaked)."""
+    ctx = mp.get_context("fork")
+    q, done = ctx.SimpleQueue(), ctx.SimpleQueue()
+    c = ctx.Process(target=_hold_then_drop, args=(q, done))
+    c.start()
+    before = mp.memory_stats()
+    a = mp.share(np.ones(10_000))
+    q.put(a)
+    f = ctx.Process(target=_idle)
+    f.start()  # pins every live block, ours included
+    f.join(30)
+    del a
+    done.put(1)
+    c.join(30)
+    assert wait_for(lambda: mp.memory_stats()["remote_held_bytes"] == before["remote_held_bytes"], 10)
+    stats = mp.memory_stats()
+    assert stats["in_use_bytes"] == before["in_use_bytes"] and stats["in_use_bytes"] >= 0

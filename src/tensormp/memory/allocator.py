@@ -219,9 +219,9 @@ class _Allocator:
     # -- release ------------------------------------------------------------------------------
     def root_died(self, block: Block) -> None:
         """The owned root of ``block`` died: recycle it now, or once remote holds are gone."""
-        if block.remote > 0 and not block.pinned:
+        if block.remote > 0:  # pinned or not: a block sent before a fork is still counted
             self.remote_held_bytes += block.capacity
-            return  # _on_release_record recycles it when the count reaches zero
+            return  # _drop_remote_locked recycles (or retires) it when the count reaches zero
         self.recycle(block)
 
     def recycle(self, block: Block) -> None:
@@ -481,8 +481,11 @@ def _on_release_record(
             key = (pid, start)
             holders = block.holders if block.holders is not None else {}
             block.holders = holders
+            # A negative count is kept: a child's release of its Process arguments can arrive
+            # before the parent registers it as their holder (register_holder), which then
+            # brings it back to zero instead of leaving a stale hold for the sweep to drop.
             held = holders.get(key, 0) + (count if op == b"H" else -count)
-            if held > 0:
+            if held:
                 holders[key] = held
             else:
                 holders.pop(key, None)
@@ -512,7 +515,9 @@ def _sweep_dead_holders() -> None:
                 if key not in alive:
                     alive[key] = key[1] != 0 and release.process_start_time(key[0]) == key[1]
                 if not alive[key] and block.holders is not None:
-                    _drop_remote_locked(block, block.holders.pop(key))
+                    held = block.holders.pop(key)
+                    if held > 0:  # a negative count is a release that came before its hold
+                        _drop_remote_locked(block, held)
         for pid in [p for p, st in _start_times.items() if not alive.get((p, st), True)]:
             del _start_times[pid]
 
@@ -732,19 +737,30 @@ def register_holder(pid: int, blocks: list[Block]) -> None:
     """Process ``pid`` (a child just started) holds one handle to each of our ``blocks``.
 
     It sends no hold records for them; if it dies before releasing them, even during
-    start-up, the liveness sweep drops its holds.
+    start-up, the liveness sweep drops its holds. Its release may already have come (a child
+    that ran and exited before its parent got here): every record already in our socket is
+    read first, and a release found for ``pid`` cancels the hold instead of adding one.
     """
+    server = _allocator.server
+    if server is not None:
+        server.drain()
     start = release.process_start_time(pid)
     with _locked:
         for block in blocks:
             if (block.segment.id, block.offset) not in _allocator.remote_held:
-                continue
-            if start is None:
-                _drop_remote_locked(block, 1)  # already gone
-                continue
+                continue  # released already, down to zero
             holders = block.holders if block.holders is not None else {}
             block.holders = holders
-            holders[(pid, start)] = holders.get((pid, start), 0) + 1
+            early = next((k for k, n in holders.items() if k[0] == pid and n < 0), None)
+            if early is not None:  # its release came first
+                if holders[early] + 1:
+                    holders[early] += 1
+                else:
+                    del holders[early]
+            elif start is None:
+                _drop_remote_locked(block, 1)  # gone without releasing: nothing holds it now
+            else:
+                holders[(pid, start)] = holders.get((pid, start), 0) + 1
         if start is not None:
             _start_times[pid] = start
 
