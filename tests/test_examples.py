@@ -90,11 +90,27 @@ def test_hogwild_worker_failure_ends_the_run_with_its_traceback(digits):
     assert "_worker" in str(err)  # the child's traceback, not just its message
 
 
-def test_hogwild_cli_offers_numpy_only():
+@pytest.mark.timeout(60)
+def test_hogwild_torch_two_workers_reach_90_percent(digits):
+    pytest.importorskip("torch")
+    r = hogwild.train(workers=2, epochs=5, hidden=256, batch_size=64, lr=0.1, seed=0, data=digits,
+                      framework="torch")
+    assert r.accuracy[-1] >= 0.90, r.accuracy  # the numpy version's bar, same data and start
+    assert r.samples == 5 * len(digits.y_train) and r.median_samples_per_s > 0
+    assert tensormp.is_shared(r.model)  # the parent's model is the workers' shared memory
+
+
+def test_hogwild_cli_frameworks():
     parser = hogwild.build_parser()
-    assert parser.parse_args([]).framework == "numpy"
+    opts = parser.parse_args([])
+    assert (opts.framework, opts.optimizer) == ("numpy", "sgd")
+    assert parser.parse_args(["--framework", "torch", "--optimizer", "adam"]).optimizer == "adam"
     with pytest.raises(SystemExit):
-        parser.parse_args(["--framework", "torch"])
+        parser.parse_args(["--framework", "jax"])
+    with pytest.raises(SystemExit):
+        hogwild.main(["--optimizer", "adam"])  # adam needs --framework torch
+    with pytest.raises(ValueError, match="framework"):
+        hogwild.train(framework="jax")
 
 
 # -- pipeline -----------------------------------------------------------------------------------

@@ -347,6 +347,9 @@ def test_a_removed_file_is_a_clear_error_in_the_receiver(file_system):
     assert out.get(timeout=60).startswith("HandleError: the shared-memory file")
     p.join(30)
     assert p.exitcode == 0
+    # The receiver gave the handle's count back: nothing stays pinned here.
+    del a
+    assert wait_for(lambda: mp.memory_stats()["remote_held_bytes"] == 0, 10.0)
 
 
 def test_out_of_space_error_names_the_fix(monkeypatch, shm_dir, file_system):

@@ -12,6 +12,7 @@ from numpy.typing import DTypeLike
 from . import memory
 from .memory.allocator import find_block
 from .reducers.numpy import copy_to_shared
+from .torch_utils import is_torch_object
 
 __all__ = [
     "share", "is_shared", "empty", "zeros", "ones", "full",
@@ -30,29 +31,44 @@ def _check_array(a: Any, what: str) -> np.ndarray:
     return a
 
 
-def is_shared(a: np.ndarray) -> bool:
+def is_shared(a: Any) -> bool:
     """True when ``a``'s memory is tensormp shared memory (it crosses processes as a handle).
 
     True for arrays from :func:`empty`/:func:`zeros`/..., :func:`share`, arrays received from
-    another process, and any view of those. Like ``torch.Tensor.is_shared``.
+    another process, and any view of those. Like ``torch.Tensor.is_shared``. With torch
+    installed, ``a`` may also be a tensor, storage, ``nn.Module`` or optimizer: see
+    :func:`tensormp.torch_utils.is_shared`.
 
     Raises:
-        TypeError: ``a`` is not a ``numpy.ndarray``.
+        TypeError: ``a`` is not a ``numpy.ndarray`` (or one of those torch objects).
     """
+    if not isinstance(a, np.ndarray) and is_torch_object(a):
+        from . import torch_utils
+
+        return torch_utils.is_shared(a)
     return find_block(_check_array(a, "is_shared")) is not None
 
 
-def share(a: np.ndarray) -> np.ndarray:
+def share(a: Any) -> Any:
     """``a`` in shared memory: ``a`` itself if already shared, else a shared copy.
 
     A numpy array cannot be moved in place (torch's ``share_memory_()`` can), so a non-shared
     array costs one copy of ``a.nbytes`` bytes; keep using the returned array. C or Fortran
     order is kept; other layouts become C-contiguous. Read-only stays read-only.
 
+    With torch installed, ``a`` may also be a tensor, storage, ``nn.Module`` or optimizer: its
+    memory is moved into shared memory *in place* and ``a`` is returned (like
+    ``Module.share_memory()``); see :func:`tensormp.torch_utils.share`.
+
     Raises:
-        TypeError: ``a`` is not an ndarray, or its dtype holds Python objects.
+        TypeError: ``a`` is not an ndarray (or one of those torch objects), or its dtype holds
+            Python objects.
         SharedMemoryError: the memory could not be reserved (an ``OSError``).
     """
+    if not isinstance(a, np.ndarray) and is_torch_object(a):
+        from . import torch_utils
+
+        return torch_utils.share(a)
     _check_array(a, "share")
     if a.dtype.hasobject:
         raise TypeError(

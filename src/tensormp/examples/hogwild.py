@@ -1,8 +1,11 @@
-"""Hogwild training with numpy: N processes update one MLP in shared memory, without locks.
+"""Hogwild training with numpy or torch: N processes update one MLP in shared memory, without
+locks.
 
 Run it::
 
     python -m tensormp.examples.hogwild --workers 2 --epochs 20 --lr 0.05 --seed 0
+    python -m tensormp.examples.hogwild --framework torch          # the same MLP in torch
+    python -m tensormp.examples.hogwild --framework torch --optimizer adam --lr 0.002
 
 What happens
 ------------
@@ -20,6 +23,20 @@ What happens
   runs mini-batch SGD with hand-written gradients, writing each update into the shared
   parameters in place, without a lock (Hogwild!, Niu et al. 2011: an update that races with
   another may be partly lost, which SGD with a small step tolerates).
+
+With torch (``--framework torch``)
+----------------------------------
+The same data, shards, batches, step sizes and initial weights, with a
+``torch.nn.Sequential(Linear, ReLU, Linear)`` trained by autograd and ``torch.optim``. The
+parent moves the model into shared memory in place with :func:`tensormp.share` (like
+``Module.share_memory()``) and the workers receive it as spawn arguments: each parameter
+arrives as a ``Parameter`` over the same memory. Gradients are *not* shared: each worker's
+first ``backward()`` allocates its own, as Hogwild wants. With ``--optimizer adam`` the parent
+also shares the optimizer (:func:`tensormp.share` creates Adam's moments and step counts in
+shared memory) and sends it in the same arguments as the model, so every worker's ``step()``
+updates one shared Adam state; with ``sgd`` (the default) each worker steps with its own
+stateless ``torch.optim.SGD``. Workers read the training set through ``torch.from_numpy`` over
+the shared arrays (no copy) and run one intra-op thread each.
 
 Epoch protocol
 --------------
@@ -84,10 +101,14 @@ __all__ = [
     "make_workspace",
     "sgd_step",
     "predict",
+    "init_torch_model",
+    "torch_accuracy",
     "train",
     "main",
 ]
 
+FRAMEWORKS = ("numpy", "torch")
+OPTIMIZERS = ("sgd", "adam")
 _POLL_S = 0.05  # how often the parent checks the workers while it waits
 _STEP_TIMEOUT_S = 300.0  # the longest the parent waits for one epoch or for start-up
 _GONE_TIMEOUT_S = 5.0  # how long a broken pipe may wait for spawn to report the failure
@@ -121,6 +142,11 @@ class HogwildResult:
         epoch_seconds: seconds each epoch's training took (``go`` to the last ``done``).
         samples: training samples processed, all workers and epochs.
         wall_seconds: the whole run: process start, training, evaluation and shutdown.
+        framework: ``"numpy"`` or ``"torch"``.
+        model: the trained model, in shared memory: the numpy parameter dict of
+            :func:`init_params`, or the ``torch.nn.Module`` of :func:`init_torch_model`.
+        optimizer: the shared ``torch.optim.Optimizer`` (torch with ``optimizer="adam"``),
+            else None.
     """
 
     workers: int
@@ -129,6 +155,9 @@ class HogwildResult:
     epoch_seconds: list[float] = field(default_factory=list)
     samples: int = 0
     wall_seconds: float = 0.0
+    framework: str = "numpy"
+    model: Any = field(default=None, repr=False)
+    optimizer: Any = field(default=None, repr=False)
 
     @property
     def train_seconds(self) -> float:
@@ -357,6 +386,135 @@ def _worker(
     conn.close()
 
 
+# -- torch ---------------------------------------------------------------------------------------
+def init_torch_model(n_in: int, hidden: int, n_out: int, seed: int) -> Any:
+    """The MLP as ``torch.nn.Sequential(Linear(n_in, hidden), ReLU(), Linear(hidden, n_out))``,
+    float32, moved into shared memory with :func:`tensormp.share`.
+
+    Its initial weights are those of :func:`init_params` with the same ``seed`` (``Linear``
+    stores ``W^T``), so both frameworks start from the same point.
+
+    Raises:
+        ImportError: torch is missing (``pip install 'tensormp[torch]'``).
+    """
+    torch = _import_torch()
+    rng = np.random.default_rng(seed)
+    w1 = rng.standard_normal((n_in, hidden)) * np.sqrt(2.0 / n_in)
+    w2 = rng.standard_normal((hidden, n_out)) * np.sqrt(1.0 / hidden)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(n_in, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, n_out)
+    )
+    with torch.no_grad():
+        model[0].weight.copy_(torch.from_numpy(w1.T))
+        model[2].weight.copy_(torch.from_numpy(w2.T))
+        model[0].bias.zero_()
+        model[2].bias.zero_()
+    return tensormp.share(model)
+
+
+def torch_accuracy(model: Any, x: np.ndarray, y: np.ndarray) -> float:
+    """Fraction of ``x`` (``(n, 64)`` float32) that the torch ``model`` classifies as ``y``."""
+    torch = _import_torch()
+    with torch.no_grad():
+        pred = model(torch.from_numpy(x)).argmax(dim=1).numpy()
+    return float((pred == y).mean())
+
+
+def _import_torch() -> Any:
+    try:
+        import torch
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "--framework torch needs torch: pip install 'tensormp[torch]'"
+        ) from e
+    return torch
+
+
+def _torch_worker(
+    rank: int,
+    nworkers: int,
+    model: Any,
+    optimizer: Any,
+    x: np.ndarray,
+    y: np.ndarray,
+    conn: Any,
+    batch_size: int,
+    seed: int,
+    fail_at: tuple[int, int] | None,
+) -> None:
+    """:func:`_worker` with torch: autograd, and ``optimizer`` (shared) or a local SGD."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    params = list(model.parameters())
+    if optimizer is None:
+        optimizer = torch.optim.SGD(params, lr=0.0)  # stateless: nothing to share
+    else:
+        if any(p is not q for p, q in zip(params, optimizer.param_groups[0]["params"])):
+            raise RuntimeError(
+                "the shared optimizer's parameters are not the model's: send the model and the "
+                "optimizer in the same message (the same spawn arguments)"
+            )
+        # In torch 2.13 the first step() of an unpickled optimizer imports torch._dynamo
+        # (about 1 s): import it now, before the clock starts.
+        import torch._dynamo  # noqa: F401
+    shard = np.random.default_rng(seed).permutation(len(y))[rank::nworkers]
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)  # views of the shared arrays
+    xb_buf = torch.empty((batch_size, x.shape[1]), dtype=xt.dtype)
+    conn.send(("ready",))
+    epoch = 0
+    while True:
+        msg = conn.recv()
+        if msg[0] != "go":
+            break
+        if fail_at is not None and fail_at == (rank, epoch):
+            raise RuntimeError(f"injected failure in worker {rank} at epoch {epoch}")
+        for group in optimizer.param_groups:
+            group["lr"] = msg[1]
+        order = torch.from_numpy(np.random.default_rng((seed, rank, epoch)).permutation(shard))
+        loss_sum = 0.0
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            xb = torch.index_select(xt, 0, idx, out=xb_buf[: len(idx)])
+            # Gradients stay local: the first backward() allocates them in this process, and
+            # zero_grad(set_to_none=False) reuses them from then on.
+            optimizer.zero_grad(set_to_none=False)
+            loss = F.cross_entropy(model(xb), yt[idx])
+            loss.backward()
+            optimizer.step()  # in place, into the shared parameters (and Adam state)
+            loss_sum += loss.item() * len(idx)
+        conn.send(("done", epoch, loss_sum, len(order)))
+        epoch += 1
+    conn.close()
+
+
+def _torch_worker_entry(rank: int, nworkers: int, model: Any, optimizer: Any, x: Any, y: Any,
+                        conns: list[Any], *rest: Any) -> None:
+    """:func:`_worker_entry` for :func:`_torch_worker`."""
+    conn = conns[rank]
+    for i, other in enumerate(conns):
+        if i != rank:
+            other.close()
+    with one_blas_thread():
+        _torch_worker(rank, nworkers, model, optimizer, x, y, conn, *rest)
+
+
+@contextlib.contextmanager
+def _torch_threads(framework: str, n: int) -> Any:
+    """Limit torch's intra-op threads in this process while the context is open (torch only)."""
+    if framework != "torch":
+        yield
+        return
+    torch = _import_torch()
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 # -- parent --------------------------------------------------------------------------------------
 def one_blas_thread() -> contextlib.AbstractContextManager[Any]:
     """Limit BLAS and OpenMP pools in this process to one thread while the context is open.
@@ -437,6 +595,8 @@ def train(
     data: Dataset | None = None,
     log: Any = None,
     fail_at: tuple[int, int] | None = None,
+    framework: str = "numpy",
+    optimizer: str = "sgd",
 ) -> HogwildResult:
     """Train the MLP with ``workers`` Hogwild processes; the parent evaluates after each epoch.
 
@@ -451,12 +611,16 @@ def train(
         log: called with one line of text per epoch (e.g. ``print``), or None.
         fail_at: ``(rank, epoch)``: that worker raises ``RuntimeError`` at the start of that
             epoch (to see how a failing worker ends the run).
+        framework: ``"numpy"`` (hand-written gradients) or ``"torch"`` (autograd).
+        optimizer: torch only: ``"sgd"`` (each worker's own, stateless) or ``"adam"`` (one
+            Adam state in shared memory, updated by every worker; try ``lr=0.002``).
 
     Returns:
         A :class:`HogwildResult`.
 
     Raises:
         ValueError: a bad argument.
+        ImportError: ``framework="torch"`` without torch installed.
         tensormp.ProcessRaisedException: a worker raised; the message holds its traceback.
         KeyboardInterrupt: Ctrl-C; every worker has been stopped before it propagates.
     """
@@ -467,27 +631,51 @@ def train(
         )
     if not lr > 0:
         raise ValueError(f"lr must be > 0, got {lr}")
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
+    if optimizer not in OPTIMIZERS or (framework == "numpy" and optimizer != "sgd"):
+        raise ValueError(
+            f"optimizer must be one of {OPTIMIZERS} (torch) or 'sgd' (numpy), got {optimizer!r} "
+            f"with framework {framework!r}"
+        )
     t_start = time.perf_counter()
     data = load_data(seed) if data is None else data
     if workers > len(data.y_train):
         raise ValueError(f"{workers} workers for {len(data.y_train)} training samples")
     x = tensormp.share(np.ascontiguousarray(data.x_train, np.float32))
     y = tensormp.share(np.ascontiguousarray(data.y_train, np.int64))
-    params = init_params(x.shape[1], hidden, int(data.y_train.max()) + 1, seed)
-    result = HogwildResult(workers)
+    n_out = int(data.y_train.max()) + 1
+    result = HogwildResult(workers, framework=framework)
+    if framework == "torch":
+        model = init_torch_model(x.shape[1], hidden, n_out, seed)
+        opt = None
+        if optimizer == "adam":
+            opt = tensormp.share(_import_torch().optim.Adam(model.parameters(), lr=lr))
+        entry, shared = _torch_worker_entry, (model, opt)
+        result.model, result.optimizer = model, opt
+
+        def evaluate() -> float:
+            return torch_accuracy(model, data.x_test, data.y_test)
+    else:
+        params = init_params(x.shape[1], hidden, n_out, seed)
+        entry, shared = _worker_entry, (params,)
+        result.model = params
+
+        def evaluate() -> float:
+            return accuracy(params, data.x_test, data.y_test)
 
     ctx = tensormp.get_context("spawn")
     pipes = [ctx.Pipe() for _ in range(workers)]
     conns = [parent_end for parent_end, _ in pipes]
     # spawn() gives every worker the same arguments: the child ends go in a list, and each
     # worker keeps the one at its rank.
-    args = (workers, params, x, y, [child for _, child in pipes], batch_size, seed, fail_at)
+    args = (workers, *shared, x, y, [child for _, child in pipes], batch_size, seed, fail_at)
     procs = None
     try:
         # The parent's own BLAS calls (the evaluation) use one thread as well: OpenBLAS threads
         # busy-wait for a while after a parallel call, taking a core away from the workers.
-        with one_blas_thread():
-            procs = tensormp.spawn(_worker_entry, args=args, nprocs=workers, join=False)
+        with one_blas_thread(), _torch_threads(framework, 1):
+            procs = tensormp.spawn(entry, args=args, nprocs=workers, join=False)
             for _, child_end in pipes:
                 child_end.close()  # the workers hold theirs; EOF now means "worker gone"
             _gather(conns, procs, "ready")
@@ -499,7 +687,7 @@ def train(
                 samples = sum(msg[3] for msg in done)
                 result.samples += samples
                 result.loss.append(sum(msg[2] for msg in done) / samples)
-                result.accuracy.append(accuracy(params, data.x_test, data.y_test))
+                result.accuracy.append(evaluate())
                 if log is not None:
                     log(
                         f"  epoch {epoch + 1:2d}/{epochs}  test accuracy "
@@ -550,8 +738,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=1024, help="hidden units (default 1024)")
     p.add_argument("--batch-size", type=int, default=64, help="mini-batch per worker")
     p.add_argument(
-        "--framework", choices=["numpy"], default="numpy",
-        help="numpy with hand-written gradients (torch comes in a later release)",
+        "--framework", choices=FRAMEWORKS, default="numpy",
+        help="numpy with hand-written gradients (default), or torch with autograd",
+    )
+    p.add_argument(
+        "--optimizer", choices=OPTIMIZERS, default="sgd",
+        help="torch only: sgd (default; each worker's own) or adam (one Adam state in shared "
+        "memory; use a smaller --lr, e.g. 0.002)",
     )
     p.add_argument(
         "--no-baseline", action="store_true",
@@ -565,11 +758,15 @@ def main(argv: list[str] | None = None) -> int:
     opts = build_parser().parse_args(argv)
     if opts.workers < 1:
         build_parser().error("--workers must be >= 1")
+    if opts.framework == "numpy" and opts.optimizer != "sgd":
+        build_parser().error("--optimizer adam needs --framework torch")
     try:
         data = load_data(opts.seed)
         kw = dict(epochs=opts.epochs, lr=opts.lr, seed=opts.seed, hidden=opts.hidden,
-                  batch_size=opts.batch_size, data=data, log=print)
-        print(f"Hogwild, {opts.workers} worker(s): {len(data.y_train)} train / "
+                  batch_size=opts.batch_size, data=data, log=print,
+                  framework=opts.framework, optimizer=opts.optimizer)
+        what = "" if opts.framework == "numpy" else f" (torch, {opts.optimizer})"
+        print(f"Hogwild{what}, {opts.workers} worker(s): {len(data.y_train)} train / "
               f"{len(data.y_test)} test digits, MLP 64-{opts.hidden}-10, batch {opts.batch_size}")
         run = train(workers=opts.workers, **kw)
         base = None

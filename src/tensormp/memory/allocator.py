@@ -62,6 +62,7 @@ __all__ = [
     "find_block",
     "note_handle",
     "forget_handle",
+    "forget_received",
     "release_all_received",
     "process_exiting",
     "register_holder",
@@ -670,6 +671,14 @@ def forget_handle(block: Block) -> None:
     elif seg.owner_addr and seg.creator_pid != os.getpid():
         _pending.append(("forget", block))
         _drain()
+
+
+def forget_received(owner_addr: bytes, seg_id: bytes, offset: int, creator_pid: int) -> None:
+    """A handle to another process's block arrived here but could not be rebuilt (its file is
+    gone, no fd...): release the creator's count for it, as if it had been held and dropped."""
+    if owner_addr and creator_pid != os.getpid():
+        with _locked:
+            release.post(owner_addr, release.pack(b"R", seg_id, offset, 1), urgent=True)
 
 
 def attach(

@@ -21,6 +21,9 @@ Numpy arrays put on a plain ``multiprocessing.Queue`` keep being pickled by valu
 own queues, pipes, pools and processes always use tensormp's reducers, whether torch (which
 does patch the global pickler) was imported before or after tensormp. The only global
 registration is for tensormp's own ``Connection`` type, which the stdlib could not pickle.
+Reducers for torch tensors and storages (``reducers/torch.py``) are registered the first time
+tensormp pickles something while ``torch`` is in ``sys.modules``, or when a process receives a
+tensor: a process that never touches torch never imports it.
 """
 
 from __future__ import annotations
@@ -54,11 +57,19 @@ def register(cls: type, reducer: Callable[[Any], Any]) -> None:
     _table_cache = None
 
 
+def _register_torch() -> None:
+    if "torch" in sys.modules and "tensormp.reducers.torch" not in sys.modules:
+        # Likewise torch, whichever of torch and tensormp was imported first; tensormp never
+        # imports torch itself. Its tensor reducers win over torch's (see reducers/torch.py).
+        import tensormp.reducers.torch  # noqa: F401
+
+
 def _dispatch_table() -> dict[type, Any]:
     global _table_cache
     if "numpy" in sys.modules and "tensormp.reducers.numpy" not in sys.modules:
         # numpy is loaded only when the program uses it: register its reducers then.
         import tensormp.reducers.numpy  # noqa: F401
+    _register_torch()
     extra = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
     key = (len(copyreg.dispatch_table), len(extra), len(_reducers))
     cached = _table_cache
@@ -248,6 +259,9 @@ def loads(data: bytes | bytearray | memoryview, fds: list[int]) -> Any:
     finally:
         stack.pop()
         received.close_untaken()
+    # torch may have been imported by what we just loaded (a DataLoader worker's arguments):
+    # load tensormp's torch support now, before the worker makes its first batch.
+    _register_torch()
     if received.named:  # the arrays are mapped now: the daemon may stop counting them in flight
         from ..strategies import _client
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from .. import memory
-from ..memory.allocator import find_block, forget_handle, note_handle
+from ..memory.allocator import find_block, forget_handle, forget_received, note_handle
 from . import current_message, current_process_args_parent, note_named, register, take_fd
 
 __all__ = ["reduce_ndarray", "rebuild_ndarray", "copy_to_shared"]
@@ -106,18 +106,24 @@ def rebuild_ndarray(
     note_named(fd_index)
     # A Process argument from our parent's own memory: the parent registered us as holder.
     announce = token != 0 or creator_pid != current_process_args_parent()
-    root = memory.attach(
-        seg_id,
-        lambda: take_fd(fd_index),
-        seg_size,
-        creator_pid,
-        kind,
-        owner_addr,
-        block_offset,
-        capacity,
-        token,
-        announce,
-    )
+    try:
+        root = memory.attach(
+            seg_id,
+            lambda: take_fd(fd_index),
+            seg_size,
+            creator_pid,
+            kind,
+            owner_addr,
+            block_offset,
+            capacity,
+            token,
+            announce,
+        )
+    except Exception:
+        # This handle will never be held here: give the creator its count back, or the block
+        # would stay pinned there until it exits.
+        forget_received(owner_addr, seg_id, block_offset, creator_pid)
+        raise
     a = np.ndarray(shape, dtype, buffer=root, offset=offset, strides=strides)
     if readonly:
         a.flags.writeable = False
