@@ -131,8 +131,8 @@ class Connection(_mpc.Connection):
 
     def _recv_message(self) -> tuple[bytearray | bytes, list[int]]:
         allocator = sys.modules.get("tensormp.memory.allocator")
-        if allocator is not None and allocator.release.has_queued() and not self._poll(0):
-            allocator.flush_records()  # about to wait: tell creators what we hold and dropped
+        if allocator is not None and allocator.release.has_holds() and not self._poll(0):
+            allocator.flush_records()  # about to wait: tell creators what we hold (and dropped)
         head, fds, lost = self._recv_fds(_HEADER.size)
         try:
             if not head:

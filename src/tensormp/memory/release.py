@@ -65,7 +65,7 @@ from collections.abc import Callable
 
 __all__ = [
     "ReleaseServer", "send_records", "pack", "post", "post_flush", "maybe_flush", "take_queued",
-    "has_queued", "set_flusher", "process_start_time", "reset_after_fork",
+    "has_queued", "has_holds", "set_flusher", "process_start_time", "reset_after_fork",
 ]
 
 _RECORD = struct.Struct("<c16sQIQ")  # op, segment id, block offset, count, acquire token
@@ -243,6 +243,7 @@ _OUTBOX_AGE = 0.05
 _outbox: dict[bytes, list[bytes]] = {}
 _outbox_count = 0
 _outbox_since = 0.0
+_holds_queued = False  # an H record may be in the outbox (cleared when it empties)
 _flusher: Callable[[], None] | None = None  # takes the allocator lock and flushes
 _timer: threading.Timer | None = None
 
@@ -270,11 +271,13 @@ def _arm_timer() -> None:
 
 def post(address: bytes, record: bytes, urgent: bool = False) -> None:
     """Queue a hold or release record for the creator at ``address`` (see above)."""
-    global _outbox_count, _outbox_since
+    global _outbox_count, _outbox_since, _holds_queued
     if not _outbox_count:
         _outbox_since = time.monotonic()
     _outbox.setdefault(address, []).append(record)
     _outbox_count += 1
+    if record[:1] == b"H":
+        _holds_queued = True
     if urgent or _outbox_count >= _OUTBOX_MAX:
         post_flush()
     else:
@@ -284,14 +287,23 @@ def post(address: bytes, record: bytes, urgent: bool = False) -> None:
 
 def take_queued(address: bytes) -> bytes:
     """Remove and return the records queued for ``address`` (to send them with another)."""
-    global _outbox_count
+    global _outbox_count, _holds_queued
     records = _outbox.pop(address, [])
     _outbox_count -= len(records)
+    if not _outbox_count:
+        _holds_queued = False
     return b"".join(records)
 
 
 def has_queued() -> bool:
     return _outbox_count > 0
+
+
+def has_holds() -> bool:
+    """Whether a hold record may be waiting. A process about to block flushes then (a holder
+    must be known to the creator to be checked for liveness); releases alone can wait for the
+    timer or ride with the next acquire (one datagram less per ping-pong round trip)."""
+    return _holds_queued and _outbox_count > 0
 
 
 def maybe_flush() -> None:
@@ -315,12 +327,16 @@ def post_flush(block: bool = False) -> None:
             # False: the creator is gone and nothing of it can be recycled: drop the records.
     _outbox_since = time.monotonic()
     _arm_timer()
+    global _holds_queued
+    if not _outbox_count:
+        _holds_queued = False
 
 
 def reset_after_fork() -> None:
-    global _outbox_count, _timer
+    global _outbox_count, _timer, _holds_queued
     _outbox.clear()
     _outbox_count = 0
+    _holds_queued = False
     _timer = None  # the parent's timer thread does not exist here
     for sock in _clients.values():
         try:
