@@ -52,7 +52,7 @@ _LAZY = {
     "ones_like": "arrays", "full_like": "arrays",
     "memory_stats": "memory", "empty_cache": "memory", "set_cache_limit": "memory",
     "get_cache_limit": "memory",
-    # Pool itself is the context's (a stdlib name, set above); these load pool.py / futures.py.
+    # Pool itself is the context's (a stdlib name, set above); these load tensormp.pool / tensormp.futures.
     "WorkerLostError": "pool", "BrokenPoolError": "pool",
     "ProcessPoolExecutor": "futures", "TerminatedWorkerError": "futures",
     "BrokenExecutorError": "futures",

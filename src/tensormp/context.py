@@ -1,7 +1,7 @@
 """Contexts per start method (fork, spawn, forkserver) and the processes they start.
 
 Each tensormp context is the stdlib context of the same start method with tensormp's queues,
-pipes, processes and ``Pool`` (``pool.py``: arrays as shared memory, dead workers reported)
+pipes, processes and ``Pool`` (``pool/``: arrays as shared memory, dead workers reported)
 swapped in; everything else (locks, managers...) is the stdlib's, built on those.
 
 Process arguments

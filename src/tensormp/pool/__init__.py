@@ -1,0 +1,108 @@
+"""``Pool``: the stdlib's process pool, with arrays (arguments *and* results) moving through
+shared memory, dead workers reported instead of hangs, and progress bars.
+
+Design note
+-----------
+**Channels.** Each worker has its own duplex tensormp ``Connection`` (a Unix socket pair that
+carries fds). There is no task queue shared by the workers and no lock shared between
+processes, so a worker killed at any instant cannot wedge the others (in the stdlib, a worker
+SIGKILLed while it holds the task queue's read lock blocks every other worker forever). One
+*manager thread* in the parent owns the workers: it starts them, sends them tasks, reads their
+results, reaps the dead and starts replacements. The caller's threads only append tasks to a
+deque and wake the manager (a pipe). ``imap`` pulls from its iterable in a *feeder thread*,
+which waits while many tasks are already queued, so a huge generator of arrays is never
+materialised.
+
+**Tasks.** A task is one call (``apply``) or one chunk of a map. The manager pickles it just
+before sending it, with tensormp's reducers: a numpy argument not yet in shared memory is copied
+once into a block of the parent's and the pickle holds a handle (~200 bytes). A worker holds at
+most two tasks: the one it runs and, while more tasks wait than there are workers and the
+message is small, the next one, queued in its socket so it need not wait for a round trip. A
+worker runs its tasks one at a time, in the order sent. The function goes by reference when the
+workers can import it by name (as the stdlib); lambdas, local functions, functions defined under
+``if __name__ == "__main__":`` and callables that plain pickle refuses go by value with
+cloudpickle (as ``tensormp.spawn``), unpickled once per worker.
+
+**Results.** The worker answers ``(seq, ok, value)``: the value, or the exception with its
+traceback (``multiprocessing.pool``'s ``RemoteTraceback`` as ``__cause__``, as the stdlib).
+Arrays in the value are copied once into the worker's shared memory (no copy when already
+shared) and the parent maps them: a 64 MiB result costs one ``memcpy``, not a pickle. The
+answer belongs to the oldest task outstanding on that worker (checked by ``seq``).
+
+**Dead workers.** The manager polls every worker's socket and process sentinel (plus a
+``waitpid`` once a second, for a sentinel that a grandchild keeps open). When a worker ends, it
+first reads what the socket still holds (a result sent just before death is delivered), then
+the exit status. Since a worker runs its tasks in order, the oldest task still outstanding is
+the one it was running: its result fails with :class:`WorkerLostError` (pid, exit code or signal
+name, task; chained with the worker's traceback when a task called ``sys.exit()``, or its
+faulthandler stack after SIGSEGV/SIGBUS/SIGABRT...). A younger task was never read: it is
+pickled anew for another worker. The pool starts a replacement and stays usable. A worker
+that dies before it is ready (the initializer raised, the main module failed to import) makes
+the pool *broken* (:class:`BrokenPoolError` for every task not yet running and every new call)
+instead of respawning forever as the stdlib does.
+
+What each party sees when a worker is SIGKILLed (the OOM killer sends SIGKILL):
+
+* before it reported ready: no task is assigned to it; a replacement starts (three such deaths
+  in a row, or one with an exit code, break the pool);
+* while idle: nothing is lost; a replacement starts;
+* between reading a task and sending its result: that task fails with ``WorkerLostError``;
+  a task queued behind it goes to another worker;
+* while sending a result: the parent reads a partial message, gets EOF, and fails that task;
+* after sending a result: the result is delivered; only the replacement is visible.
+
+The parent SIGKILLed: every worker dies with it (``_child.py``: ``PR_SET_PDEATHSIG`` plus a
+watchdog pipe; workers that the manager thread replaced rely on the watchdog alone).
+
+**Who frees shared memory.** Arguments: blocks the parent created when it pickled the task.
+Before sending, the parent registers the worker as the holder of each (``register_holder``, as
+for ``Process`` arguments) and the worker rebuilds them without hold records
+(``reducers.process_args_parent``), so the count is exact. The worker drops its views when the
+task is done and tells the parent (a release record, sent before it waits for the next task);
+the parent recycles the block for a later argument. A worker killed while holding them: the
+parent's liveness check (about once a second) drops its holds. Results: blocks the worker
+created; the parent's views keep them alive; when the caller drops a result, the parent tells
+the worker, which recycles the block for a later result. When the worker is gone
+(``maxtasksperchild``, killed), its blocks live on in the parent's mapping until the parent lets
+go, then the kernel frees them. ``terminate()`` leaves nothing pinned either: tasks not yet sent
+give their handles back, and the holds of killed workers go with the liveness check.
+
+Modules
+-------
+* ``errors.py``: :class:`WorkerLostError`, :class:`BrokenPoolError`.
+* ``worker.py``: what runs in a worker process (``_worker_main``), and the messages on its
+  channel.
+* ``tasks.py``: a task as the parent holds it (``_Task``), how its callable travels (by name,
+  or by value with cloudpickle), and how error messages name it.
+* ``manager.py``: the manager thread and the workers' bookkeeping (``_Engine``, also the engine
+  of ``tensormp.futures``): dispatch and prefetch, dead workers, close and terminate.
+* ``results.py``: :class:`AsyncResult` (``ApplyResult``), :class:`MapResult`,
+  :class:`IMapIterator`.
+* ``progress.py``: ``progress=True`` (a tqdm bar) or ``progress=callable(done, total)``.
+* ``pool.py``: :class:`Pool`, the public API on top of the engine.
+
+This package imports nothing heavy: a worker imports numpy only if its tasks carry arrays.
+"""
+
+from __future__ import annotations
+
+# Also imported from here: the private names tensormp.futures uses (_CALL, _STARMAP, _Engine,
+# _Task, _prepare, _Progress, _cpu_count), and the worker's functions that pickles made before
+# the split name at this path (_worker_main, _rebuild_raw_fd).
+from .errors import BrokenPoolError, WorkerLostError
+from .manager import _Engine  # noqa: F401
+from .pool import Pool, _cpu_count  # noqa: F401
+from .progress import _Progress  # noqa: F401
+from .results import ApplyResult, AsyncResult, IMapIterator, MapResult
+from .tasks import _prepare, _Task  # noqa: F401
+from .worker import _CALL, _STARMAP, _rebuild_raw_fd, _worker_main  # noqa: F401
+
+__all__ = [
+    "Pool",
+    "AsyncResult",
+    "ApplyResult",
+    "MapResult",
+    "IMapIterator",
+    "WorkerLostError",
+    "BrokenPoolError",
+]

@@ -1,0 +1,694 @@
+"""The parent's side of a pool: :class:`_Engine` owns the workers, the deque of tasks not yet
+sent, and the *manager thread*; shared by :class:`tensormp.Pool` and
+``tensormp.ProcessPoolExecutor``.
+
+Callers' threads (and imap feeders) touch only the task deque and the state, under ``_lock``,
+and wake the manager through a pipe. The manager thread owns the rest (once the constructor has
+started the first workers): it starts replacement workers, pickles and sends tasks (at most two
+per worker), reads results and runs the result sinks (callbacks included), reaps dead workers,
+fails or requeues their tasks, and at the end stops the workers and closes every fd.
+:class:`_Worker` is its record of one worker. What a worker's death does to its tasks, and who
+frees which shared memory, is in the package's design note (``__init__.py``).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from .. import reducers
+from ..connection import Pipe
+from ..errors import FdLimitError
+from .errors import BrokenPoolError, WorkerLostError, _signal_name
+from .tasks import _describe, _pickles, _Task
+from .worker import _DYING, _INIT_ERROR, _READY, _RESULT, _RawFd, _worker_main
+
+_RUN, _CLOSE, _TERMINATE = "RUN", "CLOSE", "TERMINATE"  # the engine's states (Pool.join reads them)
+_WAKE, _CONN, _SENTINEL = 0, 1, 2  # what a polled fd is
+_PREFETCH_MAX_BYTES = 64 << 10  # never queue a bigger message behind a running task
+_TERM_GRACE = 2.0  # seconds from SIGTERM to SIGKILL in terminate()
+_STOP_GRACE = 5.0  # seconds a worker told to stop (close()) may take to exit before SIGKILL
+_REAP_TIMEOUT = 5.0  # seconds to wait for the exit status of a worker whose sentinel fired
+_LIVENESS_INTERVAL = 1.0  # seconds between waitpid() checks of every worker
+_MAX_CRASH_LOG = 64 << 10
+_MAX_STARTUP_FAILURES = 3  # workers killed by a signal before ready, in a row, break the pool
+
+
+class _Worker:
+    __slots__ = (
+        "process", "conn", "crash_fd", "pid", "ready", "assigned", "outstanding", "eof",
+        "retiring", "stopping", "dying", "init_error", "gone", "stop_deadline",
+    )
+
+    def __init__(self, process: Any, conn: Any, crash_fd: int) -> None:
+        self.process = process
+        self.conn = conn
+        self.crash_fd = crash_fd
+        self.pid: int = process.pid
+        self.ready = False
+        self.assigned = 0  # tasks sent, for maxtasksperchild
+        self.outstanding: collections.deque[_Task] = collections.deque()
+        self.eof = False  # its channel is closed: send nothing more
+        self.retiring = False  # got its last task (maxtasksperchild): a replacement is started
+        self.stopping = False  # told to stop (close())
+        self.dying = ""  # traceback of a BaseException that ends it
+        self.init_error: BaseException | None = None
+        self.gone = False
+        self.stop_deadline: float | None = None
+
+
+class _Engine:
+    """Workers, the manager thread, and the task deque: shared by Pool and the executor."""
+
+    def __init__(
+        self,
+        *,
+        ctx: Any,
+        processes: int,
+        initializer: Any,
+        initargs: tuple[Any, ...],
+        maxtasks: int | None,
+        owner: str,
+        lost_error: type[WorkerLostError],
+        broken_error: type[BrokenPoolError],
+    ) -> None:
+        self.ctx = ctx
+        self.method = ctx.get_start_method()
+        self.processes = processes
+        self.owner = owner
+        self._initializer = initializer
+        self._initargs = tuple(initargs)
+        self._maxtasks = maxtasks
+        self._lost_error = lost_error
+        self._broken_error = broken_error
+        self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # feeders wait here for the deque to drain
+        self._room_limit = 4 * processes + 4
+        self._pending: collections.deque[_Task] = collections.deque()
+        self._state = _RUN
+        self._broken_msg: str | None = None
+        self._broken_cause: BaseException | None = None
+        self._feeders = 0
+        self._seq = itertools.count(1)
+        self._serial = itertools.count(1)
+        self.workers: list[_Worker] = []
+        self._startup_failures = 0
+        self._last_liveness = time.monotonic()
+        self._poller = select.poll()
+        self._fdmap: dict[int, tuple[int, _Worker | None]] = {}
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._woken = False
+        self._register(self._wake_r, _WAKE, None)
+        try:
+            for _ in range(processes):
+                self._start_worker()
+        except BaseException:
+            self._state = _TERMINATE
+            self._shutdown()
+            raise
+        self._thread = threading.Thread(target=self._run, name=f"{owner} manager", daemon=True)
+        self._thread.start()
+
+    # -- called from any thread -------------------------------------------------------------
+    def broken(self) -> BrokenPoolError:
+        error = self._broken_error(self._broken_msg or f"{self.owner} is broken")
+        error.__cause__ = self._broken_cause
+        return error
+
+    def check_running(self) -> None:
+        """Raises: BrokenPoolError (broken), ValueError (closed or terminated, as the stdlib)."""
+        if self._broken_msg is not None:
+            raise self.broken()
+        if self._state != _RUN:
+            raise ValueError(
+                f"Pool not running: this {self.owner} was closed or terminated; create a new one"
+            )
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def submit(self, tasks: list[_Task], *, feeder: bool = False) -> None:
+        with self._lock:
+            if self._broken_msg is not None:
+                raise self.broken()
+            if self._state != _RUN and not (feeder and self._state == _CLOSE):
+                raise ValueError(
+                    f"Pool not running: this {self.owner} was closed or terminated; "
+                    "create a new one"
+                )
+            for task in tasks:
+                task.seq = next(self._seq)
+            self._pending.extend(tasks)
+            self._wake_locked()
+
+    def feeder_started(self) -> None:
+        """Raises: as :meth:`check_running` (checked under the lock, so the manager cannot
+        finish a close() between the check and the feeder's first task)."""
+        with self._lock:
+            if self._broken_msg is not None:
+                raise self.broken()
+            if self._state != _RUN:
+                raise ValueError(
+                    f"Pool not running: this {self.owner} was closed or terminated; "
+                    "create a new one"
+                )
+            self._feeders += 1
+
+    def feeder_done(self) -> None:
+        with self._lock:
+            self._feeders -= 1
+            self._wake_locked()
+
+    def wait_room(self) -> bool:
+        """A feeder waits until few tasks are queued; False when the pool was terminated."""
+        with self._room:
+            while (
+                len(self._pending) >= self._room_limit
+                and self._state != _TERMINATE
+                and self._broken_msg is None
+            ):
+                self._room.wait()
+            return self._state != _TERMINATE
+
+    def take_pending(self) -> list[_Task]:
+        """Remove and return every task not sent yet (``shutdown(cancel_futures=True)``)."""
+        with self._lock:
+            tasks = list(self._pending)
+            self._pending.clear()
+            self._room.notify_all()
+        for task in tasks:
+            if task.msg is not None:
+                task.msg.abandon()
+                task.msg = None
+        return tasks
+
+    def close(self) -> None:
+        with self._lock:
+            if self._state == _RUN:
+                self._state = _CLOSE
+                self._wake_locked()
+
+    def terminate(self) -> None:
+        """Stop the workers now; unfinished tasks fail. Waits for it unless called from the
+        manager thread itself (a callback)."""
+        with self._lock:
+            if self._state != _TERMINATE:
+                self._state = _TERMINATE
+                self._wake_locked()
+                self._room.notify_all()
+        if threading.current_thread() is not self._thread and self._thread.is_alive():
+            self._thread.join()
+
+    def join(self) -> None:
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _wake_locked(self) -> None:
+        if not self._woken and self._wake_w >= 0:
+            self._woken = True
+            try:
+                os.write(self._wake_w, b"\0")
+            except (BlockingIOError, OSError):
+                pass
+
+    # -- the manager thread -----------------------------------------------------------------
+    def _register(self, fd: int, kind: int, worker: _Worker | None) -> None:
+        self._poller.register(fd, select.POLLIN)
+        self._fdmap[fd] = (kind, worker)
+
+    def _unregister(self, fd: int) -> None:
+        if self._fdmap.pop(fd, None) is not None:
+            try:
+                self._poller.unregister(fd)
+            except (KeyError, ValueError):
+                pass
+
+    def _run(self) -> None:
+        try:
+            while self._step():
+                pass
+        except BaseException as e:  # noqa: BLE001 - a bug here must not hang the callers
+            import traceback
+
+            print(f"{self.owner}: internal error in the manager thread:", file=sys.stderr)
+            traceback.print_exception(type(e), e, e.__traceback__)
+            self._break(
+                f"{self.owner}: internal error in its manager thread ({type(e).__name__}: "
+                f"{e}); this is a bug in tensormp, please report it",
+                e,
+            )
+            with self._lock:
+                self._state = _TERMINATE
+        finally:
+            self._shutdown()
+
+    def _step(self) -> bool:
+        with self._lock:
+            state = self._state
+        if state == _TERMINATE:
+            return False
+        self._dispatch()
+        if state == _CLOSE and self._closing_done():
+            return False
+        allocator = sys.modules.get("tensormp.memory.allocator")
+        if allocator is not None:
+            allocator.flush_records()  # what we hold and dropped, before we wait
+        events = self._poller.poll(_LIVENESS_INTERVAL * 1000)
+        todo = [(self._fdmap.get(fd), fd) for fd, _ in events]
+        for entry, fd in todo:
+            if entry is None:
+                continue
+            kind, worker = entry
+            if worker is not None and (worker.gone or self._fdmap.get(fd) != entry):
+                continue
+            if kind == _WAKE:
+                self._drain_wake()
+            elif kind == _CONN:
+                self._on_readable(worker)  # type: ignore[arg-type]
+            else:
+                self._on_exit(worker)  # type: ignore[arg-type]
+        now = time.monotonic()
+        if now - self._last_liveness >= _LIVENESS_INTERVAL:
+            self._last_liveness = now
+            for worker in list(self.workers):
+                if worker.gone:
+                    continue
+                if worker.process.exitcode is not None:
+                    self._on_exit(worker)
+                elif worker.stop_deadline is not None and now >= worker.stop_deadline:
+                    # Told to stop, done with its tasks, yet alive: its exit is stuck (a slow
+                    # atexit handler, a thread that never ends). Every wait is bounded.
+                    worker.stop_deadline = None
+                    worker.process.kill()
+        return True
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        with self._lock:
+            self._woken = False
+
+    # -- workers ----------------------------------------------------------------------------
+    def _start_worker(self) -> None:
+        ours, theirs = Pipe(duplex=True)
+        crash_fd = -1
+        try:
+            crash_fd = os.memfd_create("tensormp-pool-crash-log", os.MFD_CLOEXEC)
+            process = self.ctx.Process(
+                target=_worker_main,
+                args=(
+                    theirs, _RawFd(crash_fd), self._initializer, self._initargs,
+                    self._maxtasks, ours if self.method == "fork" else None, os.getpid(),
+                ),
+                name=f"TensormpPoolWorker-{next(self._serial)}",
+                daemon=True,
+            )
+            process.start()
+        except BaseException:
+            ours.close()
+            if crash_fd >= 0:
+                os.close(crash_fd)
+            raise
+        finally:
+            theirs.close()
+        worker = _Worker(process, ours, crash_fd)
+        self.workers.append(worker)
+        self._register(ours.fileno(), _CONN, worker)
+        self._register(process.sentinel, _SENTINEL, worker)
+
+    def _replenish(self) -> None:
+        with self._lock:
+            state = self._state
+            broken = self._broken_msg is not None
+            work = bool(self._pending) or self._feeders > 0
+        if state == _TERMINATE or broken or (state == _CLOSE and not work):
+            return
+        active = sum(1 for w in self.workers if not (w.retiring or w.stopping or w.eof))
+        for _ in range(self.processes - active):
+            try:
+                self._start_worker()
+            except Exception as e:  # noqa: BLE001 - fds, memory, pickling initargs...
+                self._break(
+                    f"{self.owner}: could not start a replacement worker "
+                    f"({type(e).__name__}: {e}); the pool is broken",
+                    e,
+                )
+                return
+
+    def _on_readable(self, w: _Worker) -> None:
+        while not w.eof:
+            try:
+                reply = w.conn.recv()
+            except FdLimitError as e:  # that message was dropped; the channel stays usable
+                self._fail_oldest(w, e)
+            except (EOFError, OSError):
+                self._channel_closed(w)
+                return
+            except Exception as e:  # noqa: BLE001 - a result the parent cannot unpickle
+                if hasattr(e, "add_note"):
+                    e.add_note(f"({self.owner}: loading a task's result in the parent)")
+                self._fail_oldest(w, e)
+            else:
+                self._handle(w, reply)
+            try:
+                if not w.conn.poll(0):
+                    return
+            except OSError:
+                self._channel_closed(w)
+                return
+
+    def _channel_closed(self, w: _Worker) -> None:
+        if not w.eof:
+            w.eof = True
+            self._unregister(w.conn.fileno())
+            w.conn.close()  # a live worker then reads EOF and exits: its sentinel tells us
+
+    def _handle(self, w: _Worker, reply: Any) -> None:
+        tag = reply[0]
+        if tag == _RESULT:
+            _, seq, ok, value = reply
+            if not w.outstanding or (seq is not None and w.outstanding[0].seq != seq):
+                raise RuntimeError(
+                    f"worker {w.pid} answered task #{seq}, expected "
+                    f"{w.outstanding[0].seq if w.outstanding else 'none'}"
+                )
+            self._deliver(w.outstanding.popleft(), ok, value)
+        elif tag == _READY:
+            w.ready = True
+            self._startup_failures = 0
+        elif tag == _INIT_ERROR:
+            w.init_error = reply[1]
+        elif tag == _DYING:
+            w.dying = reply[2]
+
+    def _fail_oldest(self, w: _Worker, error: BaseException) -> None:
+        if w.outstanding:
+            self._deliver(w.outstanding.popleft(), False, error)
+
+    def _on_exit(self, w: _Worker) -> None:
+        if w.gone:
+            return
+        if not w.eof:
+            try:
+                if w.conn.poll(0):
+                    self._on_readable(w)  # a result sent before it died is still delivered
+            except OSError:
+                pass
+        code = self._reap(w)
+        crash = self._crash_log(w) if code < 0 else ""
+        self._forget(w)
+        if w.outstanding:
+            running = w.outstanding.popleft()
+            rest = list(w.outstanding)
+            w.outstanding.clear()
+            if rest:  # never read by the dead worker: another one will run them
+                for task in rest:
+                    task.msg = None  # its handles were the dead worker's: pickle anew
+                with self._lock:
+                    self._pending.extendleft(reversed(rest))
+            self._deliver(running, False, self._lost(w, code, running, crash))
+        elif w.init_error is not None:
+            name = getattr(self._initializer, "name", None) or getattr(
+                self._initializer, "__qualname__", repr(self._initializer)
+            )
+            error = w.init_error
+            self._break(
+                f"{self.owner}: the initializer {name} raised in worker {w.pid}: "
+                f"{type(error).__name__}: {error}. The pool is broken (every worker runs it); "
+                "fix the initializer and create a new pool",
+                error,
+            )
+        elif not w.ready and not w.stopping and self._state != _TERMINATE:
+            self._startup_failures += 1
+            how = _exit_text(code)
+            if code >= 0:
+                self._break(
+                    f"{self.owner}: worker {w.pid} {how} while starting, before it could run "
+                    "a task: importing the main module or unpickling the initializer or its "
+                    "arguments failed (its traceback is on stderr). The pool is broken. If the "
+                    "script creates the pool at import time, move that under "
+                    "`if __name__ == \"__main__\":` (workers started with 'spawn' or "
+                    "'forkserver' import the main module)",
+                    None,
+                )
+            elif self._startup_failures >= _MAX_STARTUP_FAILURES:
+                self._break(
+                    f"{self.owner}: {self._startup_failures} workers in a row died while "
+                    f"starting (the last, pid {w.pid}, {how}); the pool is broken",
+                    None,
+                )
+        self._replenish()
+
+    def _reap(self, w: _Worker) -> int:
+        process = w.process
+        process.join(_REAP_TIMEOUT)
+        if process.exitcode is None:  # its sentinel closed, yet it lives: end it
+            process.kill()
+            process.join(_REAP_TIMEOUT)
+        code = process.exitcode
+        return -signal.SIGKILL if code is None else int(code)
+
+    def _crash_log(self, w: _Worker) -> str:
+        try:
+            raw = os.pread(w.crash_fd, _MAX_CRASH_LOG, 0)
+        except OSError:
+            return ""
+        return raw.decode("utf-8", "replace").strip()
+
+    def _forget(self, w: _Worker) -> None:
+        w.gone = True
+        if w in self.workers:
+            self.workers.remove(w)
+        if not w.eof:
+            w.eof = True
+            self._unregister(w.conn.fileno())
+            w.conn.close()
+        self._unregister(w.process.sentinel)
+        try:
+            w.process.close()
+        except ValueError:  # still running (a worker we could not kill): leave it
+            pass
+        if w.crash_fd >= 0:
+            os.close(w.crash_fd)
+            w.crash_fd = -1
+
+    def _lost(self, w: _Worker, code: int, task: _Task, crash: str) -> WorkerLostError:
+        from multiprocessing.pool import RemoteTraceback
+
+        what = _describe(task.label)
+        msg = f"{self.owner}: worker {w.pid} {_exit_text(code)} while running {what}"
+        cause: BaseException | None = None
+        if w.dying:
+            first = w.dying.strip().splitlines()[-1] if w.dying.strip() else ""
+            msg += f" (the task raised {first})"
+            cause = RemoteTraceback(w.dying)
+        elif code == -signal.SIGKILL:
+            msg += (
+                ". SIGKILL comes from the kernel's out-of-memory killer when memory runs out "
+                "(see `dmesg`), or from a `kill -9`"
+            )
+        elif crash:
+            msg += "; its Python stack at the crash is chained below"
+            cause = RemoteTraceback(
+                f"\n-- Python stack of worker {w.pid} when it received "
+                f"{_signal_name(code)} (faulthandler):\n{crash}"
+            )
+        elif code >= 0:
+            msg += " (the task called os._exit() or sys.exit(), or native code exited)"
+        msg += (
+            ". The pool replaced the worker and keeps running; only this task failed, resubmit "
+            "it if it is safe to run again"
+        )
+        error = self._lost_error(msg, w.pid, code, what)
+        error.__cause__ = cause
+        return error
+
+    # -- tasks ------------------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        while True:
+            with self._lock:
+                npending = len(self._pending)
+            if not npending:
+                return
+            idle = busy = None
+            for w in self.workers:
+                if not w.ready or w.eof or w.stopping or w.retiring:
+                    continue
+                if len(w.outstanding) == 0:
+                    idle = w
+                    break
+                if busy is None and len(w.outstanding) == 1:
+                    busy = w
+            if idle is None and (busy is None or npending < len(self.workers)):
+                return
+            with self._lock:
+                if not self._pending:
+                    return
+                task = self._pending.popleft()
+                self._room.notify_all()
+            if task.start is not None:
+                start, task.start = task.start, None
+                if not start():  # cancelled while it waited
+                    if task.msg is not None:
+                        task.msg.abandon()
+                    continue
+            msg = self._pickle(task)
+            if msg is None:
+                continue
+            target = idle if idle is not None else busy
+            if idle is None and len(msg.data) > _PREFETCH_MAX_BYTES:
+                with self._lock:  # a big message waits for an idle worker (no deadlock)
+                    self._pending.appendleft(task)
+                return
+            self._send(target, task)  # type: ignore[arg-type]
+
+    def _pickle(self, task: _Task) -> reducers.Message | None:
+        if task.msg is not None:
+            return task.msg
+        try:
+            task.msg = reducers.dumps((task.seq, task.fn.wire, task.kind, task.args))
+        except Exception as e:  # noqa: BLE001 - reported as this task's failure
+            if not task.fn.by_value and not _pickles(task.fn.wire):
+                try:
+                    task.fn.to_value()  # plain pickle refused the callable: cloudpickle it
+                except Exception as e2:  # noqa: BLE001
+                    self._deliver(task, False, e2)
+                    return None
+                return self._pickle(task)
+            if hasattr(e, "add_note"):
+                e.add_note(f"({self.owner}: pickling {_describe(task.label)} for a worker)")
+            self._deliver(task, False, e)
+            return None
+        return task.msg
+
+    def _send(self, w: _Worker, task: _Task) -> None:
+        msg = task.msg
+        assert msg is not None
+        if msg.noted:
+            # The worker holds one handle to each of our blocks in the message (it sends no
+            # hold records for them: see worker._worker_main). Registered before it can release
+            # them; if it dies holding them, our liveness check frees them (as Process arguments).
+            from ..memory.allocator import register_holder
+
+            register_holder(w.pid, msg.noted)
+        try:
+            w.conn.send_message(msg)
+        except OSError:  # the worker is gone (its sentinel will say how)
+            task.msg = None  # registered to that worker: pickle anew for another
+            with self._lock:
+                self._pending.appendleft(task)
+            self._channel_closed(w)
+            return
+        w.outstanding.append(task)
+        w.assigned += 1
+        if self._maxtasks is not None and w.assigned >= self._maxtasks:
+            w.retiring = True  # it exits after this task: start its successor now
+            self._replenish()
+
+    def _deliver(self, task: _Task, ok: bool, value: Any) -> None:
+        task.msg = None  # the argument blocks can be recycled once the worker released them
+        task.args = None
+        try:
+            task.sink(ok, value)
+        except BaseException as e:  # noqa: BLE001 - a user callback raised
+            import traceback
+
+            print(f"{self.owner}: exception in a result callback (ignored):", file=sys.stderr)
+            traceback.print_exception(type(e), e, e.__traceback__)
+
+    def _break(self, msg: str, cause: BaseException | None) -> None:
+        with self._lock:
+            if self._broken_msg is not None:
+                return
+            self._broken_msg = msg
+            self._broken_cause = cause
+            tasks = list(self._pending)
+            self._pending.clear()
+            self._room.notify_all()
+        for task in tasks:
+            if task.msg is not None:
+                task.msg.abandon()
+            self._deliver(task, False, self.broken())
+
+    def _closing_done(self) -> bool:
+        """close(): once every task is done, stop the workers; True when all have exited."""
+        with self._lock:
+            busy = bool(self._pending) or self._feeders > 0
+        if busy or any(w.outstanding for w in self.workers):
+            return False
+        for w in self.workers:
+            if not w.stopping and not w.eof:
+                w.stopping = True
+                w.stop_deadline = time.monotonic() + _STOP_GRACE
+                try:
+                    w.conn.send(None)
+                except OSError:
+                    self._channel_closed(w)
+        return not self.workers
+
+    def _shutdown(self) -> None:
+        """Manager exit: stop what still runs, fail what is unfinished, close every fd."""
+        alive = [w for w in self.workers if not w.gone]
+        for w in alive:
+            if w.process.exitcode is None:
+                if w.ready and not w.outstanding and not w.eof and not w.stopping:
+                    # Idle: a clean exit, which hands back what the worker received at once
+                    # (a killed worker's holds wait for the creators' liveness checks).
+                    try:
+                        w.conn.send(None)
+                        w.stopping = True
+                        continue
+                    except OSError:
+                        pass
+                try:
+                    w.process.terminate()
+                except (OSError, ValueError):
+                    pass
+        deadline = time.monotonic() + _TERM_GRACE
+        for w in alive:
+            w.process.join(max(0.0, deadline - time.monotonic()))
+            if w.process.exitcode is None:
+                w.process.kill()
+                w.process.join(_REAP_TIMEOUT)
+        unfinished: list[_Task] = []
+        for w in alive:
+            unfinished.extend(w.outstanding)
+            w.outstanding.clear()
+            self._forget(w)
+        with self._lock:
+            unfinished.extend(self._pending)
+            self._pending.clear()
+            self._room.notify_all()
+        for task in unfinished:
+            if task.msg is not None:
+                task.msg.abandon()  # no-op for messages already sent
+            error = self._broken_error(
+                f"{self.owner} was terminated (terminate(), shutdown, or the end of its `with` "
+                f"block) before {_describe(task.label)} finished"
+            )
+            self._deliver(task, False, error)
+        with self._lock:
+            self._unregister(self._wake_r)
+            for fd in (self._wake_r, self._wake_w):
+                if fd >= 0:
+                    os.close(fd)
+            self._wake_r = self._wake_w = -1
+            if self._state != _TERMINATE:
+                self._state = _TERMINATE if self._state == _RUN else self._state
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        return f"was killed by signal {_signal_name(code)}"
+    return f"exited with code {code}"

@@ -1,0 +1,196 @@
+"""The code that runs in a pool worker process, and the messages on its channel.
+
+:func:`_worker_main` is the target of every worker ``Process`` (pickled by reference under
+spawn and forkserver). It runs the initializer, says it is ready, then runs tasks one at a time,
+in the order received, until told to stop, EOF, or ``maxtasksperchild`` tasks.
+
+What crosses the worker's ``Connection`` (pickled with tensormp's reducers):
+
+* parent -> worker: a task ``(seq, fn, kind, args)``: ``kind`` is ``_CALL`` (``args`` is
+  ``(args, kwargs)``), ``_MAP`` (a chunk of items) or ``_STARMAP`` (a chunk of argument tuples);
+  ``fn`` is the callable, or a ``_child.FnByValue`` (cloudpickle) kept unpickled in a small
+  cache. ``None``: stop.
+* worker -> parent: ``(_READY, pid)`` once the initializer ran; ``(_INIT_ERROR, exc)`` when it
+  raised (then exit code 1); ``(_RESULT, seq, ok, value)`` for each task, in order (``seq`` is
+  None when the task could not be received or unpickled); ``(_DYING, seq, traceback)`` just
+  before a ``BaseException`` (``SystemExit``...) raised by a task ends the worker.
+
+The crash log is a memfd of the parent's, passed as a ``Process`` argument (:class:`_RawFd`);
+the worker points ``faulthandler`` at it, and the parent reads it when the worker dies of a
+signal.
+
+This module imports nothing heavy: a worker imports numpy only if its tasks carry arrays.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import reprlib
+import signal
+import sys
+from typing import Any
+
+from .. import _child, reducers
+from ..errors import FdLimitError
+
+_CALL, _MAP, _STARMAP = 0, 1, 2  # task kinds
+_READY, _INIT_ERROR, _RESULT, _DYING = 0, 1, 2, 3  # worker -> parent message tags
+_FN_CACHE = 16  # functions sent by value that a worker keeps unpickled
+
+
+class _RawFd:
+    """An fd handed to a worker as a ``Process`` argument (fork: inherited)."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> Any:
+        msg = reducers.current_message()
+        if msg is None:
+            raise TypeError("a pool worker's crash log travels only as a tensormp Process argument")
+        return _rebuild_raw_fd, (msg.add_fd(self.fd, ("pool-raw-fd", self.fd), self),)
+
+
+def _rebuild_raw_fd(index: Any) -> _RawFd:
+    return _RawFd(reducers.take_fd(index))
+
+
+class _Repr:
+    """Shows a pre-computed (short) repr: for MaybeEncodingError of a huge value."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _wrap(exc: BaseException) -> Any:
+    from multiprocessing.pool import ExceptionWithTraceback
+
+    return ExceptionWithTraceback(exc, exc.__traceback__)
+
+
+def _format(exc: BaseException) -> str:
+    import traceback
+
+    try:
+        return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    except BaseException:  # noqa: BLE001 - a broken __str__ must not lose the report
+        return f"{type(exc).__name__}\n"
+
+
+def _send_quietly(conn: Any, obj: Any) -> None:
+    try:
+        conn.send(obj)
+    except Exception:  # noqa: BLE001 - the parent is gone, or obj cannot be pickled
+        pass
+
+
+def _load_fn(fn: Any, cache: dict[bytes, Any]) -> Any:
+    if not isinstance(fn, _child.FnByValue):
+        return fn
+    loaded = cache.get(fn.data)
+    if loaded is None:
+        loaded = fn.load()
+        if len(cache) >= _FN_CACHE:
+            cache.pop(next(iter(cache)))
+        cache[fn.data] = loaded
+    return loaded
+
+
+def _run_task(conn: Any, task: Any, cache: dict[bytes, Any]) -> tuple[Any, ...]:
+    seq, fn, kind, args = task
+    try:
+        f = _load_fn(fn, cache)
+        if kind == _CALL:
+            value = f(*args[0], **args[1])
+        elif kind == _MAP:
+            value = [f(x) for x in args]
+        else:
+            value = [f(*x) for x in args]
+    except Exception as e:
+        return (_RESULT, seq, False, _wrap(e))
+    except BaseException as e:  # SystemExit, KeyboardInterrupt...: this worker ends with it
+        _send_quietly(conn, (_DYING, seq, _format(e)))
+        raise
+    return (_RESULT, seq, True, value)
+
+
+def _worker_main(
+    conn: Any,
+    crash: _RawFd,
+    initializer: Any,
+    initargs: tuple[Any, ...],
+    maxtasks: int | None,
+    inherited: Any,
+    parent_pid: int,
+) -> None:
+    """The target of every pool worker: run tasks from ``conn`` until told to stop.
+
+    Exit status 0 after ``maxtasks`` tasks, a stop message, or EOF; 1 when the initializer
+    raised (after reporting it).
+    """
+    if inherited is not None:  # fork: our copy of the parent's end; the parent's close is EOF
+        inherited.close()
+    # A Ctrl-C reaches the whole process group: the parent decides (terminate()), so that a
+    # task is never half-interrupted with a traceback per worker.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        faulthandler.enable(file=crash.fd, all_threads=True)
+    except (OSError, ValueError, RuntimeError):
+        pass
+    if initializer is not None:
+        try:
+            _load_fn(initializer, {})(*initargs)
+        except BaseException as e:
+            _send_quietly(conn, (_INIT_ERROR, _wrap(e)))
+            sys.exit(1)
+    try:
+        conn.send((_READY, os.getpid()))
+    except OSError:  # the pool is gone already
+        return
+    cache: dict[bytes, Any] = {}
+    done = 0
+    while maxtasks is None or done < maxtasks:
+        reply: Any
+        try:
+            data, fds = conn.recv_message()
+        except FdLimitError as e:  # that task was dropped; say so, and go on
+            reply = (_RESULT, None, False, _wrap(e))
+        except (EOFError, OSError):  # the parent closed our channel
+            return
+        else:
+            # The parent registered us as the holder of its own blocks in this task before
+            # sending it (as for Process arguments): no hold records for those.
+            reducers.process_args_parent(parent_pid)
+            try:
+                task = reducers.loads(data, fds)
+            except Exception as e:
+                if hasattr(e, "add_note"):
+                    e.add_note("(unpickling the task in the pool worker)")
+                reply = (_RESULT, None, False, _wrap(e))
+            else:
+                if task is None:
+                    return
+                reply = None
+            finally:
+                reducers.process_args_parent(0)
+            del data, fds
+            if reply is None:
+                reply = _run_task(conn, task, cache)
+                del task
+        try:
+            conn.send(reply)
+        except (BrokenPipeError, ConnectionError, EOFError):
+            return
+        except Exception as e:  # the result cannot be pickled: say why (as the stdlib)
+            from multiprocessing.pool import MaybeEncodingError
+
+            short = _Repr(reprlib.repr(reply[3]))
+            conn.send((_RESULT, reply[1], False, _wrap(MaybeEncodingError(e, short))))
+        reply = None
+        done += 1
