@@ -1,5 +1,5 @@
 """``ProcessPoolExecutor``: ``concurrent.futures.ProcessPoolExecutor`` whose arguments and
-results travel through shared memory, on the engine of :class:`tensormp.Pool` (``pool.py``
+results travel through shared memory, on the engine of :class:`tensormp.Pool` (``pool/__init__.py``
 has the design note: per-worker channels, one manager thread, dead-worker attribution).
 
 What differs from ``concurrent.futures``, and why:
