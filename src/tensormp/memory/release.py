@@ -63,6 +63,9 @@ import threading
 import time
 from collections.abc import Callable
 
+# A (pid, start time) pair names a process for good: pids are reused, start times are not.
+from ..strategies.file_system import process_start_time
+
 __all__ = [
     "ReleaseServer", "send_records", "pack", "post", "post_flush", "maybe_flush", "take_queued",
     "has_queued", "has_holds", "set_flusher", "process_start_time", "reset_after_fork",
@@ -78,23 +81,6 @@ _BATCH_DELAY = 0.001  # seconds the server thread lets records accumulate after 
 
 def pack(op: bytes, seg_id: bytes, offset: int, count: int, token: int = 0) -> bytes:
     return _RECORD.pack(op, seg_id, offset, count, token)
-
-
-def process_start_time(pid: int) -> int | None:
-    """The start time of ``pid`` (clock ticks since boot), or None if it has exited.
-
-    A (pid, start time) pair names a process for good: pids are reused, start times are not.
-    """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
-    fields = stat[stat.rindex(b")") + 2 :].split()
-    if fields[0] in (b"Z", b"X"):
-        return None  # a zombie holds no memory any more
-    return int(fields[19])  # field 22 of the whole line
 
 
 class ReleaseServer:
