@@ -549,3 +549,29 @@ def _session_alive(sid):
         except (ProcessLookupError, PermissionError, psutil.Error):
             pass
     return alive
+
+
+class _SlowToFormat(Exception):
+    def __str__(self):
+        time.sleep(1.0)  # the report of this failure is being written when SIGTERM comes
+        return "formatted slowly"
+
+
+def _fail_while_another_reports(rank, at):
+    time.sleep(max(0.0, at - time.time()))
+    if rank == 1:
+        raise _SlowToFormat()
+    if rank == 2:
+        time.sleep(0.3)  # rank 1 is inside its error report now
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(5)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_reporting_its_failure_is_not_cut_off_by_the_stop():
+    """After a first failure the parent SIGTERMs the rest; a rank that has already failed and
+    is writing its report still delivers it (it blocks SIGTERM while reporting)."""
+    with pytest.raises(mp.ProcessException) as info:
+        mp.spawn(_fail_while_another_reports, args=(time.time() + 1.0,), nprocs=3)
+    assert sorted(f.index for f in info.value.failures) == [1, 2], info.value
+    assert "formatted slowly" in str(info.value)

@@ -401,8 +401,11 @@ def spawn_entry(
     global _channel
     _channel = sock
     # The parent blocked SIGINT around start() (spawn, fork): nothing before this point can
-    # print a KeyboardInterrupt traceback. Take it over, then let a pending one in.
-    signal.signal(signal.SIGINT, _on_sigint)
+    # print a KeyboardInterrupt traceback. Take it over, then let a pending one in. A parent
+    # that ignores SIGINT (nohup, a background job) has children that ignore it too, as with
+    # the stdlib.
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, _on_sigint)
     try:
         _started(sock)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
@@ -418,6 +421,10 @@ def spawn_entry(
         _send_error(sock, e)
         sys.exit(1)
     except BaseException as e:
+        # The parent stops the other ranks with SIGTERM after a first failure: when this rank
+        # has failed too, its own report must still get out. Ignored, not blocked: a blocked
+        # signal would still kill us through any other thread that does not block it.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _send_error(sock, e)
         sys.exit(1)
     if return_value:

@@ -549,7 +549,7 @@ def _check_shm(shm: str) -> list[Check]:
     if 0 < total <= _DOCKER_SHM:
         out.append(Check(
             "shm_size", "WARN",
-            f"{shm} holds only {_fmt(total)} ({_fmt(free)} free): Docker's default size. "
+            f"{shm} holds only {_fmt(total)} ({_fmt(free)} free), no more than Docker's default of 64 MiB. "
             "Named segments (file_system strategy) live there"
             + (", and so do multiprocessing's locks" if os.path.realpath(shm) == "/dev/shm" else ""),
             "start the container with --shm-size=8g, or use the file_descriptor strategy "
