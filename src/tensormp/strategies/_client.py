@@ -194,7 +194,8 @@ def sent(names: Iterable[str]) -> None:
 
 
 _pending: dict[str, int] = {}  # R records not sent yet: name -> messages
-_pending_timer: threading.Timer | None = None
+_pending_wake = threading.Event()
+_flusher: threading.Thread | None = None  # one per process, started with the first R
 _PENDING_MAX = 256
 _PENDING_AGE = 0.05  # seconds
 
@@ -206,16 +207,28 @@ def received(names: Iterable[str]) -> None:
     queue is sent within 50 ms (a timer), when it holds 256 names, before this process sends
     or waits for a message (:func:`flush`, through the allocator's flush points), and at exit.
     """
-    global _pending_timer
+    global _flusher
     with _lock:
         for name in names:
             _pending[name] = _pending.get(name, 0) + 1
         if len(_pending) >= _PENDING_MAX:
             _flush_locked()
-        elif _pending and _pending_timer is None:
-            _pending_timer = threading.Timer(_PENDING_AGE, flush)
-            _pending_timer.daemon = True
-            _pending_timer.start()
+            return
+        if _flusher is None:
+            _flusher = threading.Thread(target=_flush_loop, name="tensormp-fs-records",
+                                        daemon=True)
+            _flusher.start()
+    _pending_wake.set()
+
+
+def _flush_loop() -> None:
+    """Sends queued ``R`` records at most ``_PENDING_AGE`` after they were queued (one thread
+    for the process's life: a timer thread per batch would cost more than the records)."""
+    while True:
+        _pending_wake.wait()
+        time.sleep(_PENDING_AGE)
+        _pending_wake.clear()
+        flush()
 
 
 def has_pending() -> bool:
@@ -229,8 +242,6 @@ def flush() -> None:
 
 
 def _flush_locked() -> None:
-    global _pending_timer
-    _pending_timer = None
     if not _pending:
         return
     packets: list[bytes] = []
@@ -270,10 +281,11 @@ def connection_fd() -> int | None:
 
 
 def _after_fork_in_child() -> None:
-    global _lock, _sock, _pending_timer
+    global _lock, _sock, _flusher, _pending_wake
     _lock = threading.Lock()
     _pending.clear()  # the parent sends its own
-    _pending_timer = None
+    _flusher = None  # the parent's thread does not exist here
+    _pending_wake = threading.Event()
     if _sock is not None:
         # Not ours to write on; closing our copy leaves the parent's connection open.
         _sock.close()
