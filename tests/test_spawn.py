@@ -575,3 +575,17 @@ def test_a_rank_reporting_its_failure_is_not_cut_off_by_the_stop():
         mp.spawn(_fail_while_another_reports, args=(time.time() + 1.0,), nprocs=3)
     assert sorted(f.index for f in info.value.failures) == [1, 2], info.value
     assert "formatted slowly" in str(info.value)
+
+
+def _exit_quietly(rank):
+    if rank == 1:
+        os._exit(0)
+    return f"r{rank}"
+
+
+@pytest.mark.timeout(60)
+def test_return_values_of_a_rank_that_never_returned_is_an_error_not_none():
+    with pytest.raises(mp.ProcessRaisedException, match="exited with status 0 before fn returned") as info:
+        mp.spawn(_exit_quietly, nprocs=2, return_values=True)
+    assert info.value.error_index == 1
+    assert mp.spawn(_exit_quietly, nprocs=1, return_values=True) == ["r0"]

@@ -377,6 +377,16 @@ class ProcessContext:
 
         result = report.take_result()
         if result is None:
+            # Exit status 0 but no return value: fn never returned (os._exit(0) in the rank, or
+            # a library that ends the process). Say so rather than hand back a silent None.
+            report.error = _child.ErrorReport(
+                "ProcessExitedWithoutResult",
+                f"process {index} exited with status 0 without returning from fn",
+                f"(process {index} exited with status 0 before fn returned: sys.exit(0), os._exit(0) or "
+                "something that ended the process; spawn(return_values=True) has no value to "
+                "give for it)\n",
+                "",
+            )
             return
         try:
             self._results[index] = reducers.loads(*result)
