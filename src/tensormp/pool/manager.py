@@ -181,13 +181,15 @@ class _Engine:
     def take_pending(self) -> list[_Task]:
         """Remove and return every task not sent yet (``shutdown(cancel_futures=True)``)."""
         with self._lock:
-            tasks = list(self._pending)
-            self._pending.clear()
-            self._room.notify_all()
+            tasks = self._pop_pending_locked()
         for task in tasks:
-            if task.msg is not None:
-                task.msg.abandon()
-                task.msg = None
+            _abandon(task)
+        return tasks
+
+    def _pop_pending_locked(self) -> list[_Task]:
+        tasks = list(self._pending)
+        self._pending.clear()
+        self._room.notify_all()
         return tasks
 
     def close(self) -> None:
@@ -613,12 +615,9 @@ class _Engine:
                 return
             self._broken_msg = msg
             self._broken_cause = cause
-            tasks = list(self._pending)
-            self._pending.clear()
-            self._room.notify_all()
+            tasks = self._pop_pending_locked()
         for task in tasks:
-            if task.msg is not None:
-                task.msg.abandon()
+            _abandon(task)
             self._deliver(task, False, self.broken())
 
     def _closing_done(self) -> bool:
@@ -692,3 +691,10 @@ def _exit_text(code: int) -> str:
     if code < 0:
         return f"was killed by signal {_signal_name(code)}"
     return f"exited with code {code}"
+
+
+def _abandon(task: _Task) -> None:
+    """A task that will never be sent gives back what pickling it reserved."""
+    if task.msg is not None:
+        task.msg.abandon()
+        task.msg = None
