@@ -44,6 +44,7 @@ _ANC_SPACE = socket.CMSG_SPACE(_MAX_FDS * 4)
 # Plain ints: the socket module's IntFlag members cost an enum operation (~2 us) per message.
 _MSG_CMSG_CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
 _MSG_CTRUNC = int(socket.MSG_CTRUNC)
+_MSG_DONTWAIT = int(socket.MSG_DONTWAIT)
 _SOL_SOCKET = int(socket.SOL_SOCKET)
 _SCM_RIGHTS = int(socket.SCM_RIGHTS)
 _FD_SIZE = struct.calcsize("i")
@@ -119,9 +120,9 @@ class Connection(_mpc.Connection):
             got += k
         return buf
 
-    def _recv_fds(self, nbytes: int) -> tuple[bytes, list[int], bool]:
+    def _recv_fds(self, nbytes: int, flags: int = 0) -> tuple[bytes, list[int], bool]:
         """``recvmsg``: (bytes, fds received, whether fds were lost to MSG_CTRUNC)."""
-        data, anc, flags, _ = self._sock.recvmsg(nbytes, _ANC_SPACE, _MSG_CMSG_CLOEXEC)
+        data, anc, flags, _ = self._sock.recvmsg(nbytes, _ANC_SPACE, _MSG_CMSG_CLOEXEC | flags)
         fds: list[int] = []
         for level, kind, payload in anc:
             if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
@@ -130,10 +131,15 @@ class Connection(_mpc.Connection):
         return data, fds, bool(flags & _MSG_CTRUNC)
 
     def _recv_message(self) -> tuple[bytearray | bytes, list[int]]:
-        allocator = sys.modules.get("tensormp.memory.allocator")
-        if allocator is not None and allocator.release.has_holds() and not self._poll(0):
-            allocator.flush_records()  # about to wait: tell creators what we hold (and dropped)
-        head, fds, lost = self._recv_fds(_HEADER.size)
+        try:
+            head, fds, lost = self._recv_fds(_HEADER.size, _MSG_DONTWAIT)
+        except BlockingIOError:
+            allocator = sys.modules.get("tensormp.memory.allocator")
+            if allocator is not None and (
+                allocator._unannounced or allocator.release.has_holds()
+            ):
+                allocator.flush_records()  # about to wait: tell creators what we hold
+            head, fds, lost = self._recv_fds(_HEADER.size)
         try:
             if not head:
                 raise EOFError
@@ -203,6 +209,37 @@ class Connection(_mpc.Connection):
             allocator.flush_records()  # holds reach creators before our results do
         self._send_message(msg.data, msg.fds)
         msg.sent()
+
+    def try_send_message(self, msg: reducers.Message) -> bool:
+        """Send ``msg`` only if the socket takes it now without blocking: True when sent,
+        False when nothing was written (the socket is full, or too many fds are in flight).
+
+        Used by ``Queue.put`` to skip its feeder thread when nothing is queued. A small
+        message on a Unix stream socket goes in whole or not at all; should the kernel take
+        only part of it, the rest is written here, blocking (the fds went with the first byte).
+        """
+        self._check_closed()
+        self._check_writable()
+        allocator = sys.modules.get("tensormp.memory.allocator")
+        if allocator is not None:
+            allocator.flush_records()  # holds reach creators before our results do
+        data = msg.data
+        fds = msg.fds
+        header = _HEADER.pack(len(fds), len(data))
+        anc = [(_SOL_SOCKET, _SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))] if fds else []
+        try:
+            sent = self._sock.sendmsg([header, data], anc, _MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError as e:
+            if e.errno == errno.ETOOMANYREFS:
+                return False
+            raise
+        total = len(header) + len(data)
+        if sent < total:
+            self._sock.sendall((header + bytes(data))[sent:])
+        msg.sent()
+        return True
 
     def recv(self) -> Any:
         """Receive an object sent with :meth:`send` (blocks). Raises ``EOFError`` at EOF."""

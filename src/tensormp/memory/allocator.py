@@ -53,13 +53,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import release
-from .segment import PAGE_SIZE, Segment, format_bytes
+from .segment import PAGE_SIZE, WIRE_SIZE, Segment, format_bytes, unpack_wire
 
 __all__ = [
     "Block",
     "allocate",
     "attach",
     "find_block",
+    "allocate_for_handle",
     "note_handle",
     "forget_handle",
     "forget_received",
@@ -111,12 +112,14 @@ class Block:
         owned: True when this process's allocator handed it out (and may recycle it).
         remote: (owned blocks) handles held or in flight in other processes.
         received: (foreign blocks) handles this process rebuilt into this root.
+        announced: (foreign blocks) how many of ``received`` the creator was told about with
+            ``H`` records (or knows of otherwise); the rest are in ``_unannounced``.
         pinned: never recycle (it was alive at a fork).
     """
 
     __slots__ = (
         "segment", "offset", "capacity", "owned", "owner_pid", "remote", "received", "pinned",
-        "holders", "ref", "local_dead",
+        "holders", "ref", "local_dead", "announced",
     )
 
     def __init__(self, segment: Segment, offset: int, capacity: int, owned: bool) -> None:
@@ -127,6 +130,7 @@ class Block:
         self.owner_pid = os.getpid()
         self.remote = 0
         self.received = 0
+        self.announced = 0
         self.pinned = False
         self.holders: dict[tuple[int, int], int] | None = None  # (pid, start) -> handles held
         self.ref: _RootRef | None = None  # the current root's weakref
@@ -169,7 +173,7 @@ class _Allocator:
 
     def address(self) -> bytes:
         if self.server is None:
-            self.server = release.ReleaseServer(_on_release_record, _sweep_dead_holders)
+            self.server = release.ReleaseServer(_on_release_records, _sweep_dead_holders)
         return self.server.address
 
     # -- allocation ---------------------------------------------------------------------------
@@ -318,7 +322,7 @@ def _process_pending_locked() -> None:
                 if (seg.id, block.offset) in _allocator.remote_held:
                     _drop_remote_locked(block, 1)
             else:  # we had acquired it for a forward: give that back
-                release.post(seg.owner_addr, release.pack(b"R", seg.id, block.offset, 1))
+                release.post(seg.owner_addr, release.pack(b"D", seg.id, block.offset, 1))
 
 
 def _drain() -> None:
@@ -352,11 +356,41 @@ def _free_locked(ref: _RootRef) -> None:
     if block.owned and block.owner_pid == _allocator.pid:
         _allocator.root_died(block)
         return
-    if block.received and seg.owner_addr and seg.creator_pid != os.getpid():
-        record = release.pack(b"R", seg.id, block.offset, block.received)
-        release.post(seg.owner_addr, record, urgent=block.capacity > SMALL_MAX)
+    if block.received and seg.owner_addr and seg.creator_pid != _allocator.pid:
+        _post_release_locked(block, urgent=block.capacity > SMALL_MAX)
     if not seg.roots and not seg.closed and not _allocator.manages(seg):
         _keep_idle_foreign(seg)
+
+
+def _post_release_locked(block: Block, urgent: bool = False) -> None:
+    """Queue the records that give back every handle ``block`` received here: ``R`` for the
+    ones the creator was told about, ``D`` for the ones it was not (see release.py)."""
+    seg = block.segment
+    announced = min(block.announced, block.received)
+    if announced < block.received:
+        _unannounced.discard(block)
+        release.post(
+            seg.owner_addr, release.pack(b"D", seg.id, block.offset, block.received - announced),
+            urgent,
+        )
+    if announced:
+        release.post(seg.owner_addr, release.pack(b"R", seg.id, block.offset, announced), urgent)
+    block.received = block.announced = 0
+
+
+# Foreign blocks holding handles the creator has not been told about yet (H records are
+# sent lazily: see release.py). Cleared in a fork child, which holds nothing of its own.
+_unannounced: set[Block] = set()
+
+
+def _announce_holds_locked() -> None:
+    for block in _unannounced:
+        count = block.received - block.announced
+        if count > 0 and not block.local_dead:
+            seg = block.segment
+            release.post(seg.owner_addr, release.pack(b"H", seg.id, block.offset, count))
+            block.announced = block.received
+    _unannounced.clear()
 
 
 def _creator_alive(seg: Segment, thorough: bool = False) -> bool:
@@ -373,29 +407,35 @@ def _creator_alive(seg: Segment, thorough: bool = False) -> bool:
     return True
 
 
-_next_idle_scan = 0.0
+_foreign_idle_bytes = 0  # sum of the sizes in _foreign_idle
 
 
 def _keep_idle_foreign(seg: Segment) -> None:
     """Keep an idle mapping of another process's segment for reuse (bounded LRU).
 
     Only while its creator lives: a dead creator never reuses the segment, so keeping it
-    would only hold its memory. Idle mappings whose creator died since are dropped by a scan
-    at most once a second.
+    would only hold its memory. The reaper thread (running while idle mappings exist) drops
+    idle mappings whose creator died, within about a second; a consumer that takes arrays one
+    by one makes a segment idle and busy again for every array, so nothing slower than a
+    dict update happens here.
     """
-    global _next_idle_scan
-    if not _creator_alive(seg):
-        _close_if_unused(seg)
-        return
-    _foreign_idle[seg.id] = seg
-    _foreign_idle.move_to_end(seg.id)
-    now = time.monotonic()
-    if now >= _next_idle_scan:
-        _next_idle_scan = now + 1.0
-        _close_idle_of_dead_creators()
-    _trim_foreign(_allocator.cache_limit)
-    if _foreign_idle:
+    global _foreign_idle_bytes
+    if seg.id not in _foreign_idle:
+        _foreign_idle_bytes += seg.size
+        _foreign_idle[seg.id] = seg
+        if _foreign_idle_bytes > _allocator.cache_limit or len(_foreign_idle) > FOREIGN_CACHE_MAX:
+            _trim_foreign(_allocator.cache_limit)
+    else:
+        _foreign_idle.move_to_end(seg.id)
+    if _reaper is None:
         _start_idle_reaper()
+
+
+def _unidle_foreign(seg_id: bytes) -> None:
+    global _foreign_idle_bytes
+    seg = _foreign_idle.pop(seg_id, None)
+    if seg is not None:
+        _foreign_idle_bytes -= seg.size
 
 
 def _close_idle_of_dead_creators() -> None:
@@ -409,28 +449,32 @@ _reaper: threading.Thread | None = None
 def _start_idle_reaper() -> None:
     """Check idle foreign mappings about once a second while there are any, so a process that
     sits idle does not keep a dead creator's memory mapped (and, for ``file_system``
-    segments, does not keep the cleanup daemon from removing the file)."""
+    segments, does not keep the cleanup daemon from removing the file). Called under the
+    lock; ``_reaper`` is None exactly while no reaper thread runs."""
     global _reaper
-    if (_reaper is not None and _reaper.is_alive()) or _exiting or sys.is_finalizing():
+    if _exiting or sys.is_finalizing():
         return
     _reaper = threading.Thread(target=_reap_idle, name="tensormp-idle-mappings", daemon=True)
     _reaper.start()
 
 
 def _reap_idle() -> None:
+    global _reaper
     while True:
         time.sleep(1.0)
         with _locked:
             _close_idle_of_dead_creators()
             if not _foreign_idle:
+                _reaper = None
                 return
 
 
 def _trim_foreign(limit_bytes: int) -> None:
-    total = sum(s.size for s in _foreign_idle.values())
-    while _foreign_idle and (total > limit_bytes or len(_foreign_idle) > FOREIGN_CACHE_MAX):
-        _, seg = _foreign_idle.popitem(last=False)
-        total -= seg.size
+    while _foreign_idle and (
+        _foreign_idle_bytes > limit_bytes or len(_foreign_idle) > FOREIGN_CACHE_MAX
+    ):
+        seg = next(iter(_foreign_idle.values()))
+        _unidle_foreign(seg.id)
         _close_if_unused(seg)
 
 
@@ -439,7 +483,8 @@ def _close_if_unused(seg: Segment) -> None:
         return
     if _segments.get(seg.id) is seg:
         del _segments[seg.id]
-    _foreign_idle.pop(seg.id, None)
+    if _foreign_idle.get(seg.id) is seg:
+        _unidle_foreign(seg.id)
     seg.close()
 
 
@@ -452,46 +497,53 @@ _acquired: set[int] = set()
 _early: set[int] = set()
 
 
-def _on_release_record(
-    op: bytes, seg_id: bytes, offset: int, count: int, pid: int = 0, token: int = 0
-) -> None:
-    """Release server thread: another process acquired, holds or released our block."""
+def _on_release_records(pid: int, records: list[tuple[bytes, bytes, int, int, int]]) -> None:
+    """Release server thread: process ``pid`` acquired, holds, released or dropped our blocks
+    (one datagram's records, in order; see release.py)."""
     with _locked:
-        if op == b"A" and token in _early:
-            _early.discard(token)  # its handle already came back to us: nothing is out
-            return
-        block = _allocator.remote_held.get((seg_id, offset))
-        if block is None:
-            return  # unknown (already recycled, pinned at a fork, or not ours)
-        if op == b"A":
-            block.remote += count
-            if token:
-                _acquired.add(token)
-            return
-        if pid:
-            start = _start_times.get(pid)
-            if start is None:
-                start = release.process_start_time(pid)
-                if start is None:  # the holder has already exited
-                    if op == b"H":
-                        _drop_remote_locked(block, count)
-                        return
-                    start = 0
-                else:
-                    _start_times[pid] = start
-            key = (pid, start)
-            holders = block.holders if block.holders is not None else {}
-            block.holders = holders
-            # A negative count is kept: a child's release of its Process arguments can arrive
-            # before the parent registers it as their holder (register_holder), which then
-            # brings it back to zero instead of leaving a stale hold for the sweep to drop.
-            held = holders.get(key, 0) + (count if op == b"H" else -count)
-            if held:
-                holders[key] = held
+        remote_held = _allocator.remote_held
+        for op, seg_id, offset, count, token in records:
+            if op == b"A" and token in _early:
+                _early.discard(token)  # its handle already came back to us: nothing is out
+                continue
+            block = remote_held.get((seg_id, offset))
+            if block is None:
+                continue  # unknown (already recycled, pinned at a fork, or not ours)
+            if op == b"D":  # handles never announced as held: only the count changes
+                _drop_remote_locked(block, count)
+            elif op == b"A":
+                block.remote += count
+                if token:
+                    _acquired.add(token)
+            elif op == b"H" or op == b"R":
+                _note_holder_locked(block, op, count, pid)
+
+
+def _note_holder_locked(block: Block, op: bytes, count: int, pid: int) -> None:
+    if pid:
+        start = _start_times.get(pid)
+        if start is None:
+            start = release.process_start_time(pid)
+            if start is None:  # the holder has already exited
+                if op == b"H":
+                    _drop_remote_locked(block, count)
+                    return
+                start = 0
             else:
-                holders.pop(key, None)
-        if op == b"R":
-            _drop_remote_locked(block, count)
+                _start_times[pid] = start
+        key = (pid, start)
+        holders = block.holders if block.holders is not None else {}
+        block.holders = holders
+        # A negative count is kept: a child's release of its Process arguments can arrive
+        # before the parent registers it as their holder (register_holder), which then
+        # brings it back to zero instead of leaving a stale hold for the sweep to drop.
+        held = holders.get(key, 0) + (count if op == b"H" else -count)
+        if held:
+            holders[key] = held
+        else:
+            holders.pop(key, None)
+    if op == b"R":
+        _drop_remote_locked(block, count)
 
 
 def _drop_remote_locked(block: Block, count: int) -> None:
@@ -530,11 +582,12 @@ def release_all_received() -> None:
     interpreter exit, so creators can recycle at once instead of waiting for a liveness check.
     """
     with _locked:
+        pid = os.getpid()
         for block in _root_blocks.values():
             seg = block.segment
-            if block.received and seg.owner_addr and seg.creator_pid != os.getpid():
-                release.post(seg.owner_addr, release.pack(b"R", seg.id, block.offset, block.received))
-                block.received = 0
+            if block.received and seg.owner_addr and seg.creator_pid != pid:
+                _post_release_locked(block)
+        _unannounced.clear()
         release.post_flush(block=True)
 
 
@@ -574,13 +627,14 @@ def process_exiting() -> None:
 
 def _make_root_locked(block: Block) -> np.ndarray:
     seg = block.segment
-    root = np.frombuffer(seg.buffer, dtype=np.uint8, count=block.capacity, offset=block.offset)
+    offset = block.offset
+    root = np.frombuffer(seg.view[offset : offset + block.capacity], np.uint8)  # type: ignore[index]
     ref = _RootRef(root, _root_died)
     ref.block = block
     ref.root_id = id(root)
     block.ref = ref
     block.local_dead = False
-    seg.roots[block.offset] = ref
+    seg.roots[offset] = ref
     _root_blocks[ref.root_id] = block
     _segments[seg.id] = seg
     return root
@@ -605,6 +659,23 @@ def allocate(nbytes: int) -> np.ndarray:
     with _locked:
         release.maybe_flush()
         return _make_root_locked(_allocator.allocate(nbytes))
+
+
+def allocate_for_handle(nbytes: int) -> tuple[Block, np.ndarray]:
+    """:func:`allocate` and :func:`note_handle` of the new block in one step: a fresh block
+    for an array being pickled now (its one handle counted). Returns ``(block, root)``."""
+    if nbytes > SMALL_MAX and _allocator.server is not None:
+        _allocator.server.drain()  # as allocate()
+    with _locked:
+        release.maybe_flush()
+        block = _allocator.allocate(nbytes)
+        root = _make_root_locked(block)
+        seg = block.segment
+        if not seg.owner_addr:
+            seg.owner_addr = _allocator.address()
+        _allocator.remote_held[(seg.id, block.offset)] = block
+        block.remote = 1
+        return block, root
 
 
 def find_block(obj: object) -> tuple[Block, np.ndarray] | None:
@@ -678,16 +749,13 @@ def forget_received(owner_addr: bytes, seg_id: bytes, offset: int, creator_pid: 
     gone, no fd...): release the creator's count for it, as if it had been held and dropped."""
     if owner_addr and creator_pid != os.getpid():
         with _locked:
-            release.post(owner_addr, release.pack(b"R", seg_id, offset, 1), urgent=True)
+            release.post(owner_addr, release.pack(b"D", seg_id, offset, 1), urgent=True)
 
 
 def attach(
-    seg_id: bytes,
-    take_fd: Callable[[], int],
-    size: int,
-    creator_pid: int,
-    kind: str,
-    owner_addr: bytes,
+    wire: bytes,
+    take_fd: Callable[[int | str], int],
+    fd_ref: int | str,
     offset: int,
     capacity: int,
     token: int = 0,
@@ -695,21 +763,27 @@ def attach(
 ) -> np.ndarray:
     """Root of the block ``[offset, offset+capacity)`` of a segment sent by another process.
 
-    Reuses this process's mapping of the segment (and its live root of the block) when it
-    has one; otherwise calls ``take_fd()`` for the fd that came with the message and maps it.
-    Counts the handle (see the module notes).
+    ``wire`` describes the segment (``Segment.wire``). Reuses this process's mapping of the
+    segment (and its live root of the block) when it has one; otherwise calls
+    ``take_fd(fd_ref)`` for the fd that came with the message and maps it. Counts the handle
+    (see the module notes); ``announce`` False: the creator already knows this process holds
+    it (a ``Process`` argument its parent registered).
     """
+    seg_id = wire[:16]
     with _locked:
         seg = _segments.get(seg_id)
         if seg is None or seg.closed:
-            seg = Segment.attach(seg_id, take_fd(), size, creator_pid, kind)
+            seg_id, size, creator_pid, kind, owner_addr = unpack_wire(wire)
+            seg = Segment.attach(seg_id, take_fd(fd_ref), size, creator_pid, kind)
             seg.owner_addr = owner_addr
             _segments[seg_id] = seg
         else:
-            _foreign_idle.pop(seg_id, None)
-        if owner_addr and not seg.owner_addr:
-            seg.owner_addr = owner_addr
-        if creator_pid == _allocator.pid and seg.creator_pid == creator_pid:
+            if seg_id in _foreign_idle:
+                _unidle_foreign(seg_id)
+            if not seg.owner_addr and len(wire) > WIRE_SIZE:
+                seg.owner_addr = bytes(wire[WIRE_SIZE:])
+        pid = _allocator.pid
+        if seg.creator_pid == pid:
             held = _allocator.remote_held.get((seg_id, offset))
             if held is not None:  # our own block came back: that handle is consumed here
                 if token and token not in _acquired:
@@ -736,9 +810,14 @@ def attach(
             root = _make_root_locked(block)
         if not block.owned:
             block.received += 1
-            if announce and seg.owner_addr and seg.creator_pid != os.getpid():
-                # Queued: flushed within 50 ms, or before this process next sends or waits.
-                release.post(seg.owner_addr, release.pack(b"H", seg.id, offset, 1))
+            if seg.owner_addr and seg.creator_pid != pid:
+                if not announce:
+                    block.announced += 1
+                elif block not in _unannounced:
+                    # Told lazily (release.py): a drop before the flush costs one D record.
+                    if not _unannounced:
+                        release.schedule_flush()
+                    _unannounced.add(block)
         return root  # type: ignore[return-value]
 
 
@@ -777,8 +856,9 @@ def register_holder(pid: int, blocks: list[Block]) -> None:
 def flush_records() -> None:
     """Send queued hold/release records now. Called before this process sends a message or
     blocks waiting for one, so creators learn promptly who holds and who dropped what."""
-    if release.has_queued():
+    if _unannounced or release.has_queued():
         with _locked:
+            _announce_holds_locked()
             release.post_flush()
     client = sys.modules.get("tensormp.strategies._client")
     # getattr: the module may be half-imported in another thread (sys.modules has it early).
@@ -802,7 +882,7 @@ def memory_stats() -> dict[str, int]:
             "in_use_bytes": _allocator.in_use_bytes,
             "cached_bytes": _allocator.cached_bytes,
             "remote_held_bytes": _allocator.remote_held_bytes,
-            "foreign_cached_bytes": sum(s.size for s in _foreign_idle.values()),
+            "foreign_cached_bytes": _foreign_idle_bytes,
             "cache_limit_bytes": _allocator.cache_limit,
             "segments": len(segs),
             "mapped_bytes": sum(s.size for s in segs),
@@ -869,15 +949,18 @@ def _after_fork_in_child() -> None:
     _reaper = None
     _exiting = False
     _pending = collections.deque()
+    _unannounced.clear()
     for block in _root_blocks.values():
         block.pinned = True
-        block.received = 0  # the parent releases what it received, not us
+        block.received = block.announced = 0  # the parent releases what it received, not us
     if _allocator.server is not None:
         _allocator.server.detach_after_fork()
     release.reset_after_fork()
     # Inherited segments and roots stay valid (the mappings are inherited); none is owned here.
     _allocator = _Allocator(_allocator.cache_limit)
     _foreign_idle.clear()
+    global _foreign_idle_bytes
+    _foreign_idle_bytes = 0
     for seg in list(_segments.values()):
         if not seg.roots:
             _close_if_unused(seg)

@@ -11,10 +11,12 @@ its blocks leaves the process, and a daemon thread reads it. The address travels
 A datagram holds records ``(op, segment id, block offset, count)``; the sender's pid comes
 from the kernel (``SCM_CREDENTIALS``), never from the record:
 
-* ``H`` hold: the sender rebuilt ``count`` handles to the block (sent on every rebuild).
-* ``R`` release: the sender's last view of the block died; it had rebuilt ``count`` handles.
-  Sent from the weakref callback of the receiver's block root, and for every held block when
-  a tensormp process exits normally.
+* ``H`` hold: the sender holds ``count`` handles to the block (rebuilt, and not released yet).
+* ``R`` release: the sender's last view of the block died; ``count`` of the handles it had
+  rebuilt were announced with ``H``. Sent from the weakref callback of the receiver's block
+  root, and for every held block when a tensormp process exits normally.
+* ``D`` drop: as ``R``, for ``count`` handles the sender never announced with ``H`` (it let go of
+  them before it told anyone it held them): the creator only lowers its count.
 * ``A`` acquire: a process that is not the creator pickled a handle to the block (it forwards
   an array it received). Sent *blocking* before the message leaves, so the creator counts that
   handle before the forwarded receiver can ever release it (datagrams from one sender arrive in
@@ -25,7 +27,14 @@ from the kernel (``SCM_CREDENTIALS``), never from the record:
   been counted (an early arrival is remembered and cancels the acquire when it comes), so the
   count can never reach zero while the forwarder's view is out.
 
-``H`` and ``R`` never block the caller: they are queued and batched (see ``post``); records
+Holds are announced lazily: a rebuild only notes the block (``allocator._unannounced``); the
+``H`` records go out when this process is about to block waiting for a message, sends one,
+exits, or at the latest ``_OUTBOX_AGE`` after the rebuild (a timer). A handle dropped before
+that costs one ``D`` record and no ``H`` at all, which halves the records of a consumer that
+takes arrays one by one and lets each go. What a receiver SIGKILLed before announcing loses
+is the same as for a record still queued: those blocks stay pinned in their creator.
+
+``H``, ``R`` and ``D`` never block the caller: they are queued and batched (see ``post``); records
 that find the creator's buffer full stay queued and are sent again, blocking for at most 2 s
 when the process exits. A record that cannot be delivered at all leaves its block pinned in
 the creator: memory held longer, never reused too early.
@@ -68,6 +77,7 @@ from ..strategies.file_system import process_start_time
 
 __all__ = [
     "ReleaseServer", "send_records", "pack", "post", "post_flush", "maybe_flush", "take_queued",
+    "schedule_flush",
     "has_queued", "has_holds", "set_flusher", "process_start_time", "reset_after_fork",
 ]
 
@@ -86,13 +96,14 @@ def pack(op: bytes, seg_id: bytes, offset: int, count: int, token: int = 0) -> b
 class ReleaseServer:
     """The creator's end: a bound datagram socket and the thread that reads it.
 
-    ``handler(op, seg_id, offset, count, pid, token)`` runs for each record (``pid``: the sender, from
-    ``SO_PASSCRED``); ``sweep()`` runs about every ``sweep_interval`` seconds.
+    ``handler(pid, records)`` runs once per datagram with its records, a list of ``(op,
+    seg_id, offset, count, token)`` in order (``pid``: the sender, from ``SO_PASSCRED``);
+    ``sweep()`` runs about every ``sweep_interval`` seconds.
     """
 
     def __init__(
         self,
-        handler: Callable[[bytes, bytes, int, int, int, int], None],
+        handler: Callable[[int, list[tuple[bytes, bytes, int, int, int]]], None],
         sweep: Callable[[], None],
         sweep_interval: float = 1.0,
     ) -> None:
@@ -158,9 +169,9 @@ class ReleaseServer:
                 pid, uid, _gid = _UCRED.unpack(payload[: _UCRED.size])
         if uid != self._uid or pid is None:
             return  # not one of ours: ignore
-        for start in range(0, len(data) - len(data) % _RECORD.size, _RECORD.size):
-            op, seg_id, offset, count, token = _RECORD.unpack_from(data, start)
-            self._safely(self._handler, op, seg_id, offset, count, pid, token)
+        usable = len(data) - len(data) % _RECORD.size
+        if usable:
+            self._safely(self._handler, pid, list(_RECORD.iter_unpack(data[:usable])))
 
     @staticmethod
     def _safely(fn: Callable[..., None], *args: object) -> None:
@@ -243,13 +254,13 @@ def set_flusher(flush: Callable[[], None]) -> None:
 def _on_timer() -> None:
     global _timer
     _timer = None
-    if _flusher is not None and has_queued():
+    if _flusher is not None:
         _flusher()
 
 
-def _arm_timer() -> None:
+def _arm_timer(force: bool = False) -> None:
     global _timer
-    if _outbox_count and _timer is None:
+    if (_outbox_count or force) and _timer is None:
         _timer = threading.Timer(_OUTBOX_AGE, _on_timer)
         _timer.daemon = True
         _timer.start()
@@ -269,6 +280,11 @@ def post(address: bytes, record: bytes, urgent: bool = False) -> None:
     else:
         maybe_flush()
     _arm_timer()
+
+
+def schedule_flush() -> None:
+    """Make sure the flusher runs within ``_OUTBOX_AGE`` seconds (unannounced holds wait)."""
+    _arm_timer(force=True)
 
 
 def take_queued(address: bytes) -> bytes:

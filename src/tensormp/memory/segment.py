@@ -31,10 +31,11 @@ import ctypes
 import errno
 import mmap
 import os
+import struct
 
 from ..errors import SharedMemoryError
 
-__all__ = ["Segment", "NamedFd", "format_bytes"]
+__all__ = ["Segment", "NamedFd", "format_bytes", "WIRE_SIZE", "unpack_wire"]
 
 PAGE_SIZE = mmap.PAGESIZE
 
@@ -51,6 +52,19 @@ _libc.madvise.restype = ctypes.c_int
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MADV_POPULATE_WRITE = 23
+
+# What a handle says about its segment, packed once per segment (``Segment.wire``): id, size,
+# creator pid, kind, then the creator's release address (the rest of the bytes).
+_WIRE = struct.Struct("<16sQIc")
+WIRE_SIZE = _WIRE.size
+_KINDS = {"arena": b"a", "large": b"l"}
+_KIND_NAMES = {v: k for k, v in _KINDS.items()}
+
+
+def unpack_wire(wire: bytes) -> tuple[bytes, int, int, str, bytes]:
+    """``(segment id, size, creator pid, kind, release address)`` of a segment's wire bytes."""
+    seg_id, size, creator_pid, kind = _WIRE.unpack_from(wire)
+    return seg_id, size, creator_pid, _KIND_NAMES[kind], bytes(wire[WIRE_SIZE:])
 
 
 def _map(fd: int, size: int) -> int:
@@ -182,12 +196,15 @@ class Segment:
         size: length in bytes (a multiple of the page size).
         creator_pid: pid of the process that created it.
         address: where the segment is mapped in this process.
-        buffer: a ctypes byte array over the mapping; block roots are numpy views of it.
+        buffer: a ctypes byte array over the mapping.
+        view: a ``memoryview`` (format ``B``) of ``buffer``; block roots are numpy arrays over
+            slices of it (so a root's ``base`` is not an ndarray, and numpy's base chain of
+            any view of a root ends at the root).
     """
 
     __slots__ = (
         "id", "fd", "size", "creator_pid", "owner_addr", "address", "buffer", "kind", "roots",
-        "name", "__weakref__",
+        "name", "view", "_wire", "__weakref__",
     )
 
     def __init__(
@@ -216,8 +233,20 @@ class Segment:
         self.buffer: ctypes.Array[ctypes.c_ubyte] | None = (
             ctypes.c_ubyte * size
         ).from_address(self.address)
+        self.view: memoryview | None = memoryview(self.buffer).cast("B")
+        self._wire: tuple[bytes, bytes] | None = None
         # block offset -> weakref of the live root array of that block in this process
         self.roots: dict[int, object] = {}
+
+    def wire(self, owner_addr: bytes) -> bytes:
+        """This segment as a handle carries it, with ``owner_addr`` as release address
+        (see :func:`unpack_wire`); the last one made is cached."""
+        cached = self._wire
+        if cached and cached[0] == owner_addr:
+            return cached[1]
+        wire = _WIRE.pack(self.id, self.size, self.creator_pid, _KINDS[self.kind]) + owner_addr
+        self._wire = (owner_addr, wire)
+        return wire
 
     @classmethod
     def create(cls, size: int, kind: str) -> Segment:
@@ -341,6 +370,7 @@ class Segment:
         """
         if self.buffer is not None:
             self.buffer = None
+            self.view = None
             _libc.munmap(self.address, self.size)
             if self.name and self.creator_pid == os.getpid():
                 from ..strategies import file_system as fs

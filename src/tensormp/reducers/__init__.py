@@ -46,6 +46,7 @@ __all__ = [
 ]
 
 _reducers: dict[type, Callable[[Any], Any]] = {}
+_PROTOCOL = pickle.HIGHEST_PROTOCOL
 _table_cache: tuple[tuple[int, int, int], dict[type, Any]] | None = None
 _tls = threading.local()
 
@@ -66,10 +67,12 @@ def _register_torch() -> None:
 
 def _dispatch_table() -> dict[type, Any]:
     global _table_cache
-    if "numpy" in sys.modules and "tensormp.reducers.numpy" not in sys.modules:
+    modules = sys.modules
+    if "numpy" in modules and "tensormp.reducers.numpy" not in modules:
         # numpy is loaded only when the program uses it: register its reducers then.
         import tensormp.reducers.numpy  # noqa: F401
-    _register_torch()
+    if "torch" in modules:
+        _register_torch()
     extra = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
     key = (len(copyreg.dispatch_table), len(extra), len(_reducers))
     cached = _table_cache
@@ -78,6 +81,7 @@ def _dispatch_table() -> dict[type, Any]:
         table.update(extra)
         table.update(_reducers)
         cached = _table_cache = (key, table)
+        _Pickler.dispatch_table = table  # read by each new pickler (in C, at creation)
     return cached[1]
 
 
@@ -98,13 +102,13 @@ class Message:
         self.fds: list[int] = []
         self.keepalive: list[object] = []
         self.noted: list[object] = []  # this process's own blocks a handle was counted for
-        self.named: set[str] = set()  # named segments (file_system strategy) it refers to
-        self._index: dict[object, int] = {}
-        self._undo: list[Callable[[], None]] = []
+        self.named: set[str] | None = None  # named segments (file_system strategy) it refers to
+        self._index: dict[object, int] | None = None
+        self._undo: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
 
-    def on_abandon(self, undo: Callable[[], None]) -> None:
-        """Register ``undo`` to run if this message is never sent (see :meth:`abandon`)."""
-        self._undo.append(undo)
+    def on_abandon(self, undo: Callable[..., None], *args: Any) -> None:
+        """Register ``undo(*args)`` to run if this message is never sent (see :meth:`abandon`)."""
+        self._undo.append((undo, args))
 
     def abandon(self) -> None:
         """The message will not be sent: give back what pickling it reserved (idempotent).
@@ -112,8 +116,8 @@ class Message:
         Also runs when a message that was never marked :meth:`sent` is garbage collected.
         """
         undo, self._undo = self._undo, []
-        for fn in reversed(undo):
-            fn()
+        for fn, args in reversed(undo):
+            fn(*args)
 
     def sent(self) -> None:
         """The message left this process (its handles are now the receivers' to release)."""
@@ -131,8 +135,12 @@ class Message:
         """
         name = getattr(owner, "name", None)
         if name and isinstance(name, str):
+            if self.named is None:
+                self.named = set()
             self.named.add(name)
             return name
+        if self._index is None:
+            self._index = {}
         index = self._index.get(key)
         if index is None:
             index = self._index[key] = len(self.fds)
@@ -145,9 +153,10 @@ class Message:
 
 
 class _Pickler(pickle.Pickler):
-    def __init__(self, file: io.BytesIO) -> None:
-        self.dispatch_table = _dispatch_table()
-        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+    """The stdlib's C pickler with tensormp's dispatch table (a class attribute that
+    :func:`_dispatch_table` replaces when a registration changes)."""
+
+    dispatch_table: dict[type, Any] = {}
 
 
 def current_message() -> Message | None:
@@ -162,8 +171,9 @@ def dumps(obj: object) -> Message:
     stack = _tls.__dict__.setdefault("dumping", [])
     stack.append(msg)
     try:
+        _dispatch_table()
         buf = io.BytesIO()
-        _Pickler(buf).dump(obj)
+        _Pickler(buf, _PROTOCOL).dump(obj)
         msg.data = buf.getvalue()
         if msg.named:
             # Tell the cleanup daemon before the message can leave (file_system strategy).
@@ -171,7 +181,7 @@ def dumps(obj: object) -> Message:
 
             names = list(msg.named)
             _client.sent(names)
-            msg.on_abandon(lambda: _client.received(names))
+            msg.on_abandon(_client.received, names)
     except BaseException:
         msg.abandon()
         raise
