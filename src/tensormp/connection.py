@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import errno
 import io
+import math
 import os
+import select
 import socket
 import struct
 import sys
@@ -51,6 +53,19 @@ _FD_SIZE = struct.calcsize("i")
 _INFLIGHT_TIMEOUT = 60.0
 
 
+def _fds_of(anc: list[tuple[int, int, bytes]]) -> list[int]:
+    """The fds of ``SCM_RIGHTS`` ancillary data from ``recvmsg``."""
+    fds: list[int] = []
+    for level, kind, payload in anc:
+        if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
+            if len(payload) == _FD_SIZE:
+                fds.append(int.from_bytes(payload, sys.byteorder, signed=True))
+            else:
+                usable = len(payload) - len(payload) % _FD_SIZE
+                fds.extend(struct.unpack(f"{usable // _FD_SIZE}i", payload[:usable]))
+    return fds
+
+
 class Connection(_mpc.Connection):
     """A duplex or one-way connection over a Unix socket that can carry fds.
 
@@ -64,7 +79,19 @@ class Connection(_mpc.Connection):
         self._sock = socket.socket(fileno=handle)
         self._sock.setblocking(True)
 
+    def _poll(self, timeout: float | None) -> bool:
+        # One poll object per connection instead of the stdlib's selector per call (which
+        # costs several microseconds: Queue.get(timeout=...) polls before every message).
+        poller = self.__dict__.get("_poller")
+        if poller is None:
+            poller = self._poller = select.poll()
+            poller.register(self._handle, select.POLLIN)
+        if timeout is None:
+            return bool(poller.poll())
+        return bool(poller.poll(max(0, math.ceil(timeout * 1000))))
+
     def _close(self, _close: Any = None) -> None:
+        self.__dict__.pop("_poller", None)
         sock = self.__dict__.pop("_sock", None)
         if sock is not None:
             sock.close()
@@ -120,26 +147,29 @@ class Connection(_mpc.Connection):
             got += k
         return buf
 
-    def _recv_fds(self, nbytes: int, flags: int = 0) -> tuple[bytes, list[int], bool]:
+    def _recv_fds(self, nbytes: int) -> tuple[bytes, list[int], bool]:
         """``recvmsg``: (bytes, fds received, whether fds were lost to MSG_CTRUNC)."""
-        data, anc, flags, _ = self._sock.recvmsg(nbytes, _ANC_SPACE, _MSG_CMSG_CLOEXEC | flags)
-        fds: list[int] = []
-        for level, kind, payload in anc:
-            if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
-                usable = len(payload) - len(payload) % _FD_SIZE
-                fds.extend(struct.unpack(f"{usable // _FD_SIZE}i", payload[:usable]))
-        return data, fds, bool(flags & _MSG_CTRUNC)
+        data, anc, flags, _ = self._sock.recvmsg(nbytes, _ANC_SPACE, _MSG_CMSG_CLOEXEC)
+        return data, _fds_of(anc), bool(flags & _MSG_CTRUNC)
 
-    def _recv_message(self) -> tuple[bytearray | bytes, list[int]]:
+    def _recv_message(self, wait: bool = True) -> Any:
+        """One message's ``(bytes, fds)``; with ``wait`` False, None when none has arrived."""
+        sock = self._sock
         try:
-            head, fds, lost = self._recv_fds(_HEADER.size, _MSG_DONTWAIT)
+            head, anc, flags, _ = sock.recvmsg(
+                _HEADER.size, _ANC_SPACE, _MSG_CMSG_CLOEXEC | _MSG_DONTWAIT
+            )
         except BlockingIOError:
+            if not wait:
+                return None
             allocator = sys.modules.get("tensormp.memory.allocator")
             if allocator is not None and (
                 allocator._unannounced or allocator.release.has_holds()
             ):
                 allocator.flush_records()  # about to wait: tell creators what we hold
-            head, fds, lost = self._recv_fds(_HEADER.size)
+            head, anc, flags, _ = sock.recvmsg(_HEADER.size, _ANC_SPACE, _MSG_CMSG_CLOEXEC)
+        lost = bool(flags & _MSG_CTRUNC)
+        fds = _fds_of(anc) if anc else []
         try:
             if not head:
                 raise EOFError
@@ -153,7 +183,12 @@ class Connection(_mpc.Connection):
                 lost |= more_lost
                 if marker != b"F":
                     raise EOFError if not marker else OSError("corrupt tensormp message stream")
-            data = self._recv_exact(length)  # read the whole message even when fds were lost
+            # Read the whole message even when fds were lost.
+            data = sock.recv(length) if length else b""
+            if len(data) < length:
+                if not data:
+                    raise EOFError
+                data += self._recv_exact(length - len(data))
         except BaseException:
             for fd in fds:
                 os.close(fd)

@@ -114,14 +114,12 @@ class Queue:
         self._enqueue(msg)
 
     def _enqueue(self, msg: reducers.Message) -> None:
-        if not self._buffer and len(msg.data) <= _DIRECT_MAX and self._direct.acquire(False):
+        if self._direct.acquire(False):
             try:
-                if not self._buffer and self._wlock.acquire(False):
+                if self._wlock.acquire(False):
                     try:
-                        if self._writer.try_send_message(msg):
+                        if self._write_now(msg):
                             return
-                    except OSError:
-                        pass  # the feeder meets it again and reports it as the stdlib does
                     finally:
                         self._wlock.release()
             finally:
@@ -131,6 +129,24 @@ class Queue:
                 self._start_thread()
             self._buffer.append(msg)
             self._notempty.notify()
+
+    def _write_now(self, msg: reducers.Message) -> bool:
+        """Write what the feeder's buffer holds, then ``msg``, as far as the socket takes them
+        without blocking (holding ``_direct`` and the write lock). True when ``msg`` was
+        written; False leaves it (and what is still buffered) to the feeder."""
+        buffer = self._buffer
+        writer = self._writer
+        try:
+            while buffer:
+                head = buffer[0]
+                if head is _sentinel or len(head.data) > _DIRECT_MAX:
+                    return False
+                if not writer.try_send_message(head):
+                    return False
+                buffer.popleft()
+            return len(msg.data) <= _DIRECT_MAX and writer.try_send_message(msg)
+        except OSError:
+            return False  # the feeder meets it again and reports it as the stdlib does
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         """Remove and return an item; see :meth:`multiprocessing.Queue.get`.
@@ -155,15 +171,22 @@ class Queue:
             if not self._rlock.acquire(block, timeout):
                 raise Empty
             try:
-                if block:
-                    if not self._poll(max(0.0, deadline - time.monotonic())):
-                        raise Empty
-                elif not self._poll():
-                    raise Empty
+                reader = self._reader
                 try:
-                    data, fds = self._reader.recv_message()
-                finally:
+                    got = reader._recv_message(wait=False)  # no poll when one is waiting
+                except BaseException:
+                    self._sem.release()  # as below: a failed receive consumed its message
+                    raise
+                if got is None:
+                    if not block or not self._poll(max(0.0, deadline - time.monotonic())):
+                        raise Empty
+                    try:
+                        got = reader.recv_message()
+                    finally:
+                        self._sem.release()
+                else:
                     self._sem.release()
+                data, fds = got
             finally:
                 self._rlock.release()
         return reducers.loads(data, fds)
@@ -255,6 +278,8 @@ class Queue:
                         notempty.wait()
                 while buffer:
                     with direct:  # take and write as one step: put() may not write between
+                        if not buffer:  # put() wrote them all itself meanwhile
+                            break
                         msg = buffer.popleft()
                         if msg is _sentinel:
                             reader_close()

@@ -60,7 +60,7 @@ __all__ = [
     "allocate",
     "attach",
     "find_block",
-    "allocate_for_handle",
+    "allocate_sent",
     "note_handle",
     "forget_handle",
     "forget_received",
@@ -661,21 +661,36 @@ def allocate(nbytes: int) -> np.ndarray:
         return _make_root_locked(_allocator.allocate(nbytes))
 
 
-def allocate_for_handle(nbytes: int) -> tuple[Block, np.ndarray]:
-    """:func:`allocate` and :func:`note_handle` of the new block in one step: a fresh block
-    for an array being pickled now (its one handle counted). Returns ``(block, root)``."""
+def allocate_sent(nbytes: int) -> Block:
+    """A fresh block for a copy that is being sent now, and nothing else: its one handle is
+    counted (as :func:`note_handle`) and this process keeps no view of it (the block is
+    ``local_dead`` from the start), so it is recycled as soon as the receiver lets go. The
+    caller copies into it through a temporary view and must keep the segment alive until
+    the message is sent (``Message.add_fd`` does). This skips a root, its weakref and its
+    death: the per-array cost of a producer that sends fresh arrays."""
     if nbytes > SMALL_MAX and _allocator.server is not None:
         _allocator.server.drain()  # as allocate()
-    with _locked:
+    _lock.acquire()
+    try:
         release.maybe_flush()
         block = _allocator.allocate(nbytes)
-        root = _make_root_locked(block)
         seg = block.segment
         if not seg.owner_addr:
             seg.owner_addr = _allocator.address()
+        _segments[seg.id] = seg
         _allocator.remote_held[(seg.id, block.offset)] = block
         block.remote = 1
-        return block, root
+        block.local_dead = True
+        _allocator.remote_held_bytes += block.capacity
+    finally:
+        try:
+            if _pending:
+                _process_pending_locked()
+        finally:
+            _lock.release()
+    if _pending:
+        _drain()
+    return block
 
 
 def find_block(obj: object) -> tuple[Block, np.ndarray] | None:
@@ -770,7 +785,8 @@ def attach(
     it (a ``Process`` argument its parent registered).
     """
     seg_id = wire[:16]
-    with _locked:
+    _lock.acquire()
+    try:
         seg = _segments.get(seg_id)
         if seg is None or seg.closed:
             seg_id, size, creator_pid, kind, owner_addr = unpack_wire(wire)
@@ -819,6 +835,14 @@ def attach(
                         release.schedule_flush()
                     _unannounced.add(block)
         return root  # type: ignore[return-value]
+    finally:
+        try:
+            if _pending:
+                _process_pending_locked()
+        finally:
+            _lock.release()
+        if _pending:
+            _drain()
 
 
 def register_holder(pid: int, blocks: list[Block]) -> None:

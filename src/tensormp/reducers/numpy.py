@@ -29,14 +29,22 @@ import numpy as np
 
 from .. import memory
 from ..memory.allocator import (
-    allocate_for_handle,
+    allocate_sent,
     find_block,
     forget_handle,
     forget_received,
     note_handle,
 )
 from ..memory.segment import unpack_wire
-from . import current_message, current_process_args_parent, note_named, register, take_fd
+from . import (
+    NDARRAY_EXT,
+    current_message,
+    current_process_args_parent,
+    note_named,
+    register,
+    register_extension,
+    take_fd,
+)
 
 __all__ = ["reduce_ndarray", "rebuild_ndarray", "copy_to_shared"]
 
@@ -68,6 +76,21 @@ def _dtype_token(dt: np.dtype) -> Any:
     return dt.str if dt.fields is None and dt.subdtype is None and dt.metadata is None else dt
 
 
+# id(dtype) -> (dtype, its short string), for plain dtypes (the dtype is kept so its id stays
+# its own). Equal dtypes can differ in metadata, so the key is identity, not equality.
+_tokens: dict[int, tuple[np.dtype, str]] = {}
+
+
+def _token(dt: np.dtype) -> Any:
+    cached = _tokens.get(id(dt))
+    if cached is not None:
+        return cached[1]
+    token = _dtype_token(dt)
+    if type(token) is str and len(_tokens) < 1024:
+        _tokens[id(dt)] = (dt, token)
+    return token
+
+
 def reduce_ndarray(a: np.ndarray) -> Any:
     msg = current_message()
     if msg is None or a.dtype.hasobject:
@@ -75,30 +98,33 @@ def reduce_ndarray(a: np.ndarray) -> Any:
     readonly = not a.flags.writeable
     found = find_block(a)
     if found is None:
-        # Not shared yet: one copy into a fresh block, whose handle is counted as it is made.
-        block, root = allocate_for_handle(a.nbytes)
+        # Not shared yet: one copy into a fresh block that only the receiver will view (this
+        # process keeps none: see allocate_sent); its handle is counted as it is made.
+        block = allocate_sent(a.nbytes)
         msg.on_abandon(forget_handle, block)
-        a = _copy_into(a, root)
+        seg = block.segment
+        start = block.offset
+        a = _copy_into(a, np.frombuffer(seg.view[start : start + block.capacity], np.uint8))
         offset = 0
-        owner_addr = block.segment.owner_addr
+        owner_addr = seg.owner_addr
         token = 0
         msg.noted.append(block)
     else:
         block, root = found
+        seg = block.segment
         owner_addr, token = note_handle(block)
         msg.on_abandon(forget_handle, block)
         if owner_addr and not token:
             msg.noted.append(block)
-        offset = a.__array_interface__["data"][0] - block.segment.address - block.offset
-    seg = block.segment
-    msg.keepalive.append(root)
+        offset = a.__array_interface__["data"][0] - seg.address - block.offset
+        msg.keepalive.append(root)
     return rebuild_ndarray, (
         seg.wire(owner_addr),
         msg.add_fd(seg.fd, seg.id, seg),
         block.offset,
         block.capacity,
         offset,
-        _dtype_token(a.dtype),
+        _token(a.dtype),
         a.shape,
         None if a.flags.c_contiguous else a.strides,
         readonly,
@@ -138,3 +164,4 @@ def rebuild_ndarray(
 
 
 register(np.ndarray, reduce_ndarray)
+register_extension(rebuild_ndarray, NDARRAY_EXT)
