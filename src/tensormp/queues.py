@@ -160,7 +160,7 @@ class Queue:
         if block and timeout is None:
             with self._rlock:
                 try:
-                    data, fds = self._reader.recv_message()
+                    data, fds = self._reader._recv_message()
                 except FdLimitError:
                     self._sem.release()  # that message was consumed (and dropped)
                     raise

@@ -122,12 +122,14 @@ class Block:
         "holders", "ref", "local_dead", "announced",
     )
 
-    def __init__(self, segment: Segment, offset: int, capacity: int, owned: bool) -> None:
+    def __init__(
+        self, segment: Segment, offset: int, capacity: int, owned: bool, owner_pid: int = 0
+    ) -> None:
         self.segment = segment
         self.offset = offset
         self.capacity = capacity
         self.owned = owned
-        self.owner_pid = os.getpid()
+        self.owner_pid = owner_pid or os.getpid()
         self.remote = 0
         self.received = 0
         self.announced = 0
@@ -204,7 +206,7 @@ class _Allocator:
         self.cached_bytes -= size
         arena.live += 1
         self.in_use_bytes += size
-        return Block(arena.segment, offset, size, owned=True)
+        return Block(arena.segment, offset, size, True, self.pid)
 
     def _allocate_large(self, nbytes: int) -> Block:
         size = -(-nbytes // PAGE_SIZE) * PAGE_SIZE
@@ -340,7 +342,11 @@ def _root_died(ref: _RootRef) -> None:
         # run on half-torn-down modules (or start a thread, which hangs at shutdown).
         return
     _pending.append(ref)
-    _drain()
+    while _pending and _lock.acquire(False):  # as _drain()
+        try:
+            _process_pending_locked()
+        finally:
+            _lock.release()
 
 
 def _free_locked(ref: _RootRef) -> None:
@@ -353,12 +359,17 @@ def _free_locked(ref: _RootRef) -> None:
     if block.ref is not ref:
         return  # stale: the block got a new root (its own block came back) before we ran
     block.local_dead = True
-    if block.owned and block.owner_pid == _allocator.pid:
+    pid = _allocator.pid
+    if block.owned and block.owner_pid == pid:
         _allocator.root_died(block)
         return
-    if block.received and seg.owner_addr and seg.creator_pid != _allocator.pid:
-        _post_release_locked(block, urgent=block.capacity > SMALL_MAX)
-    if not seg.roots and not seg.closed and not _allocator.manages(seg):
+    if block.received and seg.owner_addr and seg.creator_pid != pid:
+        _post_release_locked(block, block.capacity > SMALL_MAX)
+    if (
+        not seg.roots
+        and seg.buffer is not None
+        and (seg.creator_pid != pid or not _allocator.manages(seg))
+    ):
         _keep_idle_foreign(seg)
 
 
@@ -788,13 +799,13 @@ def attach(
     _lock.acquire()
     try:
         seg = _segments.get(seg_id)
-        if seg is None or seg.closed:
+        if seg is None or seg.buffer is None:
             seg_id, size, creator_pid, kind, owner_addr = unpack_wire(wire)
             seg = Segment.attach(seg_id, take_fd(fd_ref), size, creator_pid, kind)
             seg.owner_addr = owner_addr
             _segments[seg_id] = seg
         else:
-            if seg_id in _foreign_idle:
+            if _foreign_idle and seg_id in _foreign_idle:
                 _unidle_foreign(seg_id)
             if not seg.owner_addr and len(wire) > WIRE_SIZE:
                 seg.owner_addr = bytes(wire[WIRE_SIZE:])
@@ -822,7 +833,7 @@ def attach(
         if root is not None and root.nbytes >= capacity:  # type: ignore[attr-defined]
             block = _root_blocks[id(root)]
         else:
-            block = Block(seg, offset, capacity, owned=False)
+            block = Block(seg, offset, capacity, False, _allocator.pid)
             root = _make_root_locked(block)
         if not block.owned:
             block.received += 1

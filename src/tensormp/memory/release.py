@@ -28,8 +28,9 @@ from the kernel (``SCM_CREDENTIALS``), never from the record:
   count can never reach zero while the forwarder's view is out.
 
 Holds are announced lazily: a rebuild only notes the block (``allocator._unannounced``); the
-``H`` records go out when this process is about to block waiting for a message, sends one,
-exits, or at the latest ``_OUTBOX_AGE`` after the rebuild (a timer). A handle dropped before
+``H`` records go out when this process sends a message, exits, or at the latest
+``_OUTBOX_AGE`` after the rebuild (a timer thread, which also runs while the main thread waits
+for the next message). A handle dropped before
 that costs one ``D`` record and no ``H`` at all, which halves the records of a consumer that
 takes arrays one by one and lets each go. What a receiver SIGKILLed before announcing loses
 is the same as for a record still queued: those blocks stay pinned in their creator.
@@ -78,7 +79,7 @@ from ..strategies.file_system import process_start_time
 __all__ = [
     "ReleaseServer", "send_records", "pack", "post", "post_flush", "maybe_flush", "take_queued",
     "schedule_flush",
-    "has_queued", "has_holds", "set_flusher", "process_start_time", "reset_after_fork",
+    "has_queued", "set_flusher", "process_start_time", "reset_after_fork",
 ]
 
 _RECORD = struct.Struct("<c16sQIQ")  # op, segment id, block offset, count, acquire token
@@ -228,8 +229,7 @@ def send_records(address: bytes, data: bytes, block: bool) -> bool:
 
 # Holds and releases are batched per creator: one datagram (and one wake-up of the creator's
 # thread) per batch instead of one or two per array. A batch goes out when it reaches
-# _OUTBOX_MAX records, before this process sends a message or blocks waiting for one, with an
-# acquire, and at the latest _OUTBOX_AGE seconds after its first record (a timer thread, so
+# _OUTBOX_MAX records, before this process sends a message, with an acquire, and at the latest _OUTBOX_AGE seconds after its first record (a timer thread, so
 # also when the process is busy elsewhere or idle), and at normal exit. A release of a large
 # block goes at once (its creator may be waiting to reuse it). Records that find a creator's
 # buffer full stay queued, in order, and are tried again by the same triggers. What a receiver
@@ -240,7 +240,6 @@ _OUTBOX_AGE = 0.05
 _outbox: dict[bytes, list[bytes]] = {}
 _outbox_count = 0
 _outbox_since = 0.0
-_holds_queued = False  # an H record may be in the outbox (cleared when it empties)
 _flusher: Callable[[], None] | None = None  # takes the allocator lock and flushes
 _timer: threading.Timer | None = None
 
@@ -268,18 +267,15 @@ def _arm_timer(force: bool = False) -> None:
 
 def post(address: bytes, record: bytes, urgent: bool = False) -> None:
     """Queue a hold or release record for the creator at ``address`` (see above)."""
-    global _outbox_count, _outbox_since, _holds_queued
+    global _outbox_count, _outbox_since
     if not _outbox_count:
         _outbox_since = time.monotonic()
     _outbox.setdefault(address, []).append(record)
     _outbox_count += 1
-    if record[:1] == b"H":
-        _holds_queued = True
     if urgent or _outbox_count >= _OUTBOX_MAX:
         post_flush()
-    else:
-        maybe_flush()
-    _arm_timer()
+    elif _timer is None:
+        _arm_timer()  # the timer sends the batch at the latest _OUTBOX_AGE from now
 
 
 def schedule_flush() -> None:
@@ -289,23 +285,14 @@ def schedule_flush() -> None:
 
 def take_queued(address: bytes) -> bytes:
     """Remove and return the records queued for ``address`` (to send them with another)."""
-    global _outbox_count, _holds_queued
+    global _outbox_count
     records = _outbox.pop(address, [])
     _outbox_count -= len(records)
-    if not _outbox_count:
-        _holds_queued = False
     return b"".join(records)
 
 
 def has_queued() -> bool:
     return _outbox_count > 0
-
-
-def has_holds() -> bool:
-    """Whether a hold record may be waiting. A process about to block flushes then (a holder
-    must be known to the creator to be checked for liveness); releases alone can wait for the
-    timer or ride with the next acquire (one datagram less per ping-pong round trip)."""
-    return _holds_queued and _outbox_count > 0
 
 
 def maybe_flush() -> None:
@@ -329,16 +316,12 @@ def post_flush(block: bool = False) -> None:
             # False: the creator is gone and nothing of it can be recycled: drop the records.
     _outbox_since = time.monotonic()
     _arm_timer()
-    global _holds_queued
-    if not _outbox_count:
-        _holds_queued = False
 
 
 def reset_after_fork() -> None:
-    global _outbox_count, _timer, _holds_queued
+    global _outbox_count, _timer
     _outbox.clear()
     _outbox_count = 0
-    _holds_queued = False
     _timer = None  # the parent's timer thread does not exist here
     for sock in _clients.values():
         try:

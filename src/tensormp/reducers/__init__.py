@@ -216,7 +216,7 @@ class _Received:
 
     def __init__(self, fds: list[int]) -> None:
         self.fds = fds
-        self.taken = [False] * len(fds)
+        self.taken = [False] * len(fds) if fds else []
         self.named: set[str] = set()
 
     def take(self, index: int) -> int:
@@ -293,10 +293,12 @@ def loads(data: bytes | bytearray | memoryview, fds: list[int]) -> Any:
         obj = pickle.loads(data)
     finally:
         stack.pop()
-        received.close_untaken()
+        if fds:
+            received.close_untaken()
     # torch may have been imported by what we just loaded (a DataLoader worker's arguments):
     # load tensormp's torch support now, before the worker makes its first batch.
-    _register_torch()
+    if "torch" in modules:
+        _register_torch()
     if received.named:  # the arrays are mapped now: the daemon may stop counting them in flight
         from ..strategies import _client
 

@@ -65,6 +65,31 @@ def _copy_into(a: np.ndarray, root: np.ndarray) -> np.ndarray:
     return out
 
 
+def _copy_to_view(a: np.ndarray, view: memoryview, start: int) -> tuple[int, ...] | None:
+    """Copy ``a`` to ``view[start:]`` (a segment's bytes); returns the strides of the copy,
+    None for C order. A C- or F-contiguous array is copied as raw bytes (padding included),
+    a strided one in C order."""
+    try:
+        if a.flags.c_contiguous:
+            src = a.data.cast("B")
+            strides = None
+        elif a.flags.f_contiguous:
+            src = a.T.data.cast("B")
+            strides = a.strides
+        else:
+            src = None
+    except (TypeError, ValueError, NotImplementedError):  # no buffer format (datetime64...)
+        src = None
+    if src is not None:
+        view[start : start + len(src)] = src
+        return strides
+    root = np.frombuffer(view[start : start + a.nbytes], np.uint8)
+    if root.size and a.dtype.fields is not None:
+        root[:] = 0  # copyto copies fields only: clear the padding of a recycled block
+    np.copyto(np.ndarray(a.shape, a.dtype, root), a, casting="no")
+    return None
+
+
 def copy_to_shared(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """One copy of ``a`` in a fresh block: returns ``(copy, root)``; keeps C/F order."""
     root = memory.allocate(a.nbytes)
@@ -103,8 +128,7 @@ def reduce_ndarray(a: np.ndarray) -> Any:
         block = allocate_sent(a.nbytes)
         msg.on_abandon(forget_handle, block)
         seg = block.segment
-        start = block.offset
-        a = _copy_into(a, np.frombuffer(seg.view[start : start + block.capacity], np.uint8))
+        strides = _copy_to_view(a, seg.view, block.offset)  # type: ignore[arg-type]
         offset = 0
         owner_addr = seg.owner_addr
         token = 0
@@ -117,6 +141,7 @@ def reduce_ndarray(a: np.ndarray) -> Any:
         if owner_addr and not token:
             msg.noted.append(block)
         offset = a.__array_interface__["data"][0] - seg.address - block.offset
+        strides = None if a.flags.c_contiguous else a.strides
         msg.keepalive.append(root)
     return rebuild_ndarray, (
         seg.wire(owner_addr),
@@ -126,7 +151,7 @@ def reduce_ndarray(a: np.ndarray) -> Any:
         offset,
         _token(a.dtype),
         a.shape,
-        None if a.flags.c_contiguous else a.strides,
+        strides,
         readonly,
         token,
     )
