@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import errno
 import os
+import select
 import sys
 import threading
 import time
@@ -270,6 +271,8 @@ class Queue:
         writelock: Any, reader_close: Any, writer_close: Any, ignore_epipe: bool,
         onerror: Any, queue_sem: Any, direct: threading.Lock,
     ) -> None:
+        room = select.poll()
+        room.register(writer.fileno(), select.POLLOUT)
         while True:
             msg: Any = None
             try:
@@ -286,8 +289,19 @@ class Queue:
                             writer_close()
                             return
                         with writelock:
-                            writer.send_message(msg)
-                    msg = None  # the kernel holds the fds now: drop the keepalive
+                            if len(msg.data) > _DIRECT_MAX:
+                                writer.send_message(msg)  # large: blocking, as the stdlib's
+                                sent = True
+                            else:
+                                sent = writer.try_send_message(msg)
+                        if not sent:
+                            buffer.appendleft(msg)  # still first: put() appends behind it
+                    msg = None  # sent (the kernel holds the fds now), or back in the buffer
+                    if not sent:
+                        # The socket is full: wait for room *without* holding _direct, so that
+                        # put() can write itself once there is room (one thread doing the
+                        # writes instead of two taking turns on the GIL for each message).
+                        room.poll()
             except Exception as e:
                 if msg is not None:
                     msg.abandon()
