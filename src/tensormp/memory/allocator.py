@@ -513,6 +513,7 @@ def _on_release_records(pid: int, records: list[tuple[bytes, bytes, int, int, in
     (one datagram's records, in order; see release.py)."""
     with _locked:
         remote_held = _allocator.remote_held
+        key: tuple[int, int] | None = None  # the sender as (pid, start time), once needed
         for op, seg_id, offset, count, token in records:
             if op == b"A" and token in _early:
                 _early.discard(token)  # its handle already came back to us: nothing is out
@@ -527,34 +528,40 @@ def _on_release_records(pid: int, records: list[tuple[bytes, bytes, int, int, in
                 if token:
                     _acquired.add(token)
             elif op == b"H" or op == b"R":
-                _note_holder_locked(block, op, count, pid)
-
-
-def _note_holder_locked(block: Block, op: bytes, count: int, pid: int) -> None:
-    if pid:
-        start = _start_times.get(pid)
-        if start is None:
-            start = release.process_start_time(pid)
-            if start is None:  # the holder has already exited
-                if op == b"H":
+                if key is None:
+                    key = _holder_key(pid)
+                if pid and key[1] == 0 and op == b"H":  # the holder has already exited
                     _drop_remote_locked(block, count)
-                    return
-                start = 0
-            else:
-                _start_times[pid] = start
-        key = (pid, start)
-        holders = block.holders if block.holders is not None else {}
-        block.holders = holders
-        # A negative count is kept: a child's release of its Process arguments can arrive
-        # before the parent registers it as their holder (register_holder), which then
-        # brings it back to zero instead of leaving a stale hold for the sweep to drop.
-        held = holders.get(key, 0) + (count if op == b"H" else -count)
-        if held:
-            holders[key] = held
-        else:
-            holders.pop(key, None)
-    if op == b"R":
-        _drop_remote_locked(block, count)
+                    continue
+                if pid:
+                    holders = block.holders
+                    if holders is None:
+                        holders = block.holders = {}
+                    # A negative count is kept: a child's release of its Process arguments
+                    # can arrive before the parent registers it as their holder
+                    # (register_holder), which then brings it back to zero instead of
+                    # leaving a stale hold for the sweep to drop.
+                    held = holders.get(key, 0) + (count if op == b"H" else -count)
+                    if held:
+                        holders[key] = held
+                    else:
+                        holders.pop(key, None)
+                if op == b"R":
+                    _drop_remote_locked(block, count)
+
+
+def _holder_key(pid: int) -> tuple[int, int]:
+    """``(pid, start time)`` of a record's sender; start time 0: it has exited (pid 0: the
+    kernel could not name it, e.g. another pid namespace; such holds are not tracked)."""
+    if not pid:
+        return (0, 0)
+    start = _start_times.get(pid)
+    if start is None:
+        start = release.process_start_time(pid)
+        if start is None:
+            return (pid, 0)
+        _start_times[pid] = start
+    return (pid, start)
 
 
 def _drop_remote_locked(block: Block, count: int) -> None:
@@ -639,7 +646,9 @@ def process_exiting() -> None:
 def _make_root_locked(block: Block) -> np.ndarray:
     seg = block.segment
     offset = block.offset
-    root = np.frombuffer(seg.view[offset : offset + block.capacity], np.uint8)  # type: ignore[index]
+    # Over the segment's one memoryview (no object per root): the root's base is not an
+    # ndarray, so numpy's base chain of every view of the root ends at the root.
+    root = np.ndarray((block.capacity,), np.uint8, seg.view, offset)
     ref = _RootRef(root, _root_died)
     ref.block = block
     ref.root_id = id(root)
