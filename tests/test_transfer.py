@@ -529,3 +529,118 @@ def test_block_sent_then_pinned_by_a_fork_is_counted_once():
     assert wait_for(lambda: mp.memory_stats()["remote_held_bytes"] == before["remote_held_bytes"], 10)
     stats = mp.memory_stats()
     assert stats["in_use_bytes"] == before["in_use_bytes"] and stats["in_use_bytes"] >= 0
+
+
+# -- regressions found by a break-test of the direct-write queue (session 3) ------------------
+def test_first_puts_from_many_threads_at_once():
+    """Threads racing on the lazy import of the numpy reducer: none may see it half-imported
+    (put() raised AttributeError, or arrays went by value)."""
+    import json
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "scripts", "first_puts_race.py")
+    for _ in range(3):
+        out = subprocess.run(
+            [sys.executable, script, "8"], capture_output=True, text=True, timeout=60, check=True
+        ).stdout
+        report = json.loads(out.strip().splitlines()[-1])
+        assert report["errors"] == []
+        assert report["received"] == list(range(8))
+        assert all(report["shared"]) and report["qsize"] == 0
+
+
+def test_empty_and_poll_while_another_thread_waits():
+    """One poll object per connection must not make concurrent polls fail (the stdlib
+    returns a bool from each)."""
+    q = mp.Queue()
+    a, b = mp.Pipe()
+    results = {}
+
+    def wait_get():
+        try:
+            q.get(timeout=0.5)
+        except Exception as e:
+            results["get"] = type(e).__name__
+
+    def wait_poll():
+        results["poll"] = a.poll(0.5)
+
+    threads = [threading.Thread(target=wait_get), threading.Thread(target=wait_poll)]
+    for t in threads:
+        t.start()
+    import time
+
+    time.sleep(0.1)
+    assert q.empty() is True
+    assert a.poll() is False
+    for t in threads:
+        t.join()
+    assert results == {"get": "Empty", "poll": False}
+    q.close()
+    q.join_thread()
+    a.close()
+    b.close()
+
+
+def test_put_with_more_fds_than_one_scm_rights_message():
+    """More than 253 fds in one small message: the queue sends it in batches (it used to be
+    dropped with EINVAL by the non-blocking path)."""
+    q = mp.Queue()
+    pairs = [mp.Pipe() for _ in range(130)]
+    ends = [w for _, w in pairs] + [r for r, _ in pairs]  # 260 connections
+    q.put(ends)
+    got = q.get(timeout=30)
+    assert len(got) == 260
+    got[0].send("through")  # the writer end of pair 0 is got[0]; its reader is pairs[0][0]
+    assert pairs[0][0].recv() == "through"
+    for c in got:
+        c.close()
+    for r, w in pairs:
+        r.close()
+        w.close()
+    q.close()
+    q.join_thread()
+
+
+def _creator_of_arrays(q, ack, n):
+    arrays = [mp.full(512, i + 1, dtype=np.int64) for i in range(n)]
+    q.put(arrays)
+    del arrays
+    ack.get()  # the receiver forked its child and dropped its own views
+    scribble = [mp.full(512, -7, dtype=np.int64) for _ in range(4 * n)]  # reuses freed blocks
+    q.put("scribbled")
+    ack.get()
+    del scribble
+
+
+def _check_inherited(arrays, result, go):
+    go.get()
+    result.put([i for i, a in enumerate(arrays) if not (a == i + 1).all()])
+
+
+def test_fork_child_keeps_arrays_its_parent_received():
+    """A fork child inherits arrays its parent received from another process; the parent
+    dropping them must not let their creator recycle them (the parent acquires a handle for
+    the child before forking)."""
+    ctx = mp.get_context("fork")
+    n = 100
+    q, ack, result, go = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+    creator = ctx.Process(target=_creator_of_arrays, args=(q, ack, n))
+    creator.start()
+    arrays = q.get(timeout=30)
+    child = ctx.Process(target=_check_inherited, args=(arrays, result, go))
+    child.start()
+    del arrays
+    import gc
+
+    gc.collect()
+    mp.reducers.flush_release_records()
+    ack.put(1)
+    assert q.get(timeout=30) == "scribbled"
+    go.put(1)
+    assert result.get(timeout=30) == []
+    ack.put(1)
+    child.join(30)
+    creator.join(30)
+    assert child.exitcode == 0 and creator.exitcode == 0

@@ -87,9 +87,13 @@ class Connection(_mpc.Connection):
         if poller is None:
             poller = self._poller = select.poll()
             poller.register(self._handle, select.POLLIN)
-        if timeout is None:
-            return bool(poller.poll())
-        return bool(poller.poll(max(0, math.ceil(timeout * 1000))))
+        ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
+        try:
+            return bool(poller.poll(ms))
+        except RuntimeError:  # another thread is polling this connection: use a fresh object
+            poller = select.poll()
+            poller.register(self._handle, select.POLLIN)
+            return bool(poller.poll(ms))
 
     def _close(self, _close: Any = None) -> None:
         self.__dict__.pop("_poller", None)
@@ -237,23 +241,24 @@ class Connection(_mpc.Connection):
         """Send an already pickled :class:`~tensormp.reducers.Message`."""
         self._check_closed()
         self._check_writable()
-        allocator = sys.modules.get("tensormp.memory.allocator")
-        if allocator is not None:
-            allocator.flush_records()  # holds reach creators before our results do
+        reducers.flush_release_records()  # holds reach creators before our results do
         self._send_message(msg.data, msg.fds)
         msg.sent()
 
     def try_send_message(self, msg: reducers.Message) -> bool:
         """Send ``msg`` only if the socket takes it now without blocking: True when sent,
-        False when nothing was written (the socket is full, or too many fds are in flight).
+        False when nothing was written because the socket is full.
 
-        Used by ``Queue.put`` to skip its feeder thread when nothing is queued. A small
-        message on a Unix stream socket goes in whole or not at all; should the kernel take
-        only part of it, the rest is written here, blocking (the fds went with the first byte).
+        Used by ``Queue.put`` to skip its feeder thread. A small message on a Unix stream
+        socket goes in whole or not at all; should the kernel take only part of it, the rest
+        is written here, blocking (the fds went with the first byte). Only for messages with
+        at most 253 fds (one ``SCM_RIGHTS``); use :meth:`send_message` for others.
+
+        Raises:
+            OSError: ``ETOOMANYREFS`` (too many fds in flight for this user: nothing was
+                written; :meth:`send_message` waits for receivers), or the socket failed.
         """
-        allocator = sys.modules.get("tensormp.memory.allocator")
-        if allocator is not None:
-            allocator.flush_records()  # holds reach creators before our results do
+        reducers.flush_release_records()  # holds reach creators before our results do
         data = msg.data
         fds = msg.fds
         header = _HEADER.pack(len(fds), len(data))
@@ -267,10 +272,6 @@ class Connection(_mpc.Connection):
             sent = self._sock.sendmsg([header, data], anc, _MSG_DONTWAIT)
         except BlockingIOError:
             return False
-        except OSError as e:
-            if e.errno == errno.ETOOMANYREFS:
-                return False
-            raise
         total = len(header) + len(data)
         if sent < total:
             self._sock.sendall((header + bytes(data))[sent:])

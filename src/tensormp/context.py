@@ -104,9 +104,7 @@ def _rebuild_process(
         state = reducers.loads(data, [fd.detach() for fd in fds])
     finally:
         reducers.process_args_parent(0)
-    allocator = sys.modules.get("tensormp.memory.allocator")
-    if allocator is not None:
-        allocator.flush_records()
+    reducers.flush_release_records()
     obj = cls.__new__(cls)
     obj.__dict__.update(state)
     return obj

@@ -44,7 +44,13 @@ __all__ = ["Queue", "JoinableQueue", "SimpleQueue"]
 
 _SEM_VALUE_MAX = 2**31 - 1
 _DIRECT_MAX = 32 << 10  # put() writes messages up to this size itself (see the module notes)
+_DIRECT_MAX_FDS = 253  # and with at most this many fds (one SCM_RIGHTS message)
 _sentinel = object()
+
+
+def _small(msg: reducers.Message) -> bool:
+    """Whether ``msg`` may be written without blocking (see the module notes)."""
+    return len(msg.data) <= _DIRECT_MAX and len(msg.fds) <= _DIRECT_MAX_FDS
 
 
 class Queue:
@@ -140,13 +146,11 @@ class Queue:
         try:
             while buffer:
                 head = buffer[0]
-                if head is _sentinel or len(head.data) > _DIRECT_MAX:
-                    return False
-                if not writer.try_send_message(head):
+                if head is _sentinel or not _small(head) or not writer.try_send_message(head):
                     return False
                 buffer.popleft()
-            return len(msg.data) <= _DIRECT_MAX and writer.try_send_message(msg)
-        except OSError:
+            return _small(msg) and writer.try_send_message(msg)
+        except Exception:
             return False  # the feeder meets it again and reports it as the stdlib does
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
@@ -289,11 +293,18 @@ class Queue:
                             writer_close()
                             return
                         with writelock:
-                            if len(msg.data) > _DIRECT_MAX:
+                            sent = False
+                            if _small(msg):
+                                try:
+                                    sent = writer.try_send_message(msg)
+                                except OSError as e:
+                                    if e.errno != errno.ETOOMANYREFS:
+                                        raise
+                                    writer.send_message(msg)  # waits for fds in flight
+                                    sent = True
+                            else:
                                 writer.send_message(msg)  # large: blocking, as the stdlib's
                                 sent = True
-                            else:
-                                sent = writer.try_send_message(msg)
                         if not sent:
                             buffer.appendleft(msg)  # still first: put() appends behind it
                     msg = None  # sent (the kernel holds the fds now), or back in the buffer

@@ -692,7 +692,6 @@ def allocate_sent(nbytes: int) -> Block:
         _allocator.server.drain()  # as allocate()
     _lock.acquire()
     try:
-        release.maybe_flush()
         block = _allocator.allocate(nbytes)
         seg = block.segment
         if not seg.owner_addr:
@@ -879,8 +878,8 @@ def register_holder(pid: int, blocks: list[Block]) -> None:
     start = release.process_start_time(pid)
     with _locked:
         for block in blocks:
-            if (block.segment.id, block.offset) not in _allocator.remote_held:
-                continue  # released already, down to zero
+            if _allocator.remote_held.get((block.segment.id, block.offset)) is not block:
+                continue  # released already, down to zero (maybe recycled and sent again)
             holders = block.holders if block.holders is not None else {}
             block.holders = holders
             early = next((k for k, n in holders.items() if k[0] == pid and n < 0), None)
@@ -968,8 +967,52 @@ def get_cache_limit() -> int:
 
 
 # -- fork --------------------------------------------------------------------------------------
+# Received blocks the next fork child holds one handle to: acquired for it in _before_fork.
+_fork_acquired: list[Block] = []
+
+
 def _before_fork() -> None:
     _lock.acquire()
+    try:
+        _acquire_for_child_locked()
+    except Exception:  # pragma: no cover - a fork hook must not fail the fork
+        pass
+
+
+def _acquire_for_child_locked() -> None:
+    """A fork child inherits this process's views of blocks it received; it must hold handles
+    of its own, or our release (when our views die) would let the creator recycle memory the
+    child still reads. Before the fork, tell each creator, blocking (``A`` records, as a
+    forward does), that one more handle is out per such block; the child then owns that
+    handle (released when its views die, or at its exit). A creator that does not take the
+    records within 2 s: we keep our views until we exit instead, so it never recycles early.
+    If the fork itself fails, the counts stay: those blocks are pinned until their creators
+    exit (held longer, never reused too early)."""
+    _fork_acquired.clear()
+    pid = _allocator.pid
+    by_addr: dict[bytes, list[Block]] = {}
+    for block in _root_blocks.values():
+        seg = block.segment
+        if (
+            not block.owned
+            and block.received > 0
+            and seg.owner_addr
+            and seg.creator_pid != pid
+            and block.ref is not None
+            and block.ref() is not None
+        ):
+            by_addr.setdefault(seg.owner_addr, []).append(block)
+    if not by_addr:
+        return
+    for addr, blocks in by_addr.items():
+        for block in blocks:
+            release.post(addr, release.pack(b"A", block.segment.id, block.offset, 1))
+    release.post_flush(block=True)
+    for addr, blocks in by_addr.items():
+        if release.is_pending(addr):  # not taken: protect the child with our own views
+            _held_forever.extend(b.ref() for b in blocks if b.ref is not None)
+        else:
+            _fork_acquired.extend(blocks)
 
 
 def _after_fork_in_parent() -> None:
@@ -978,6 +1021,7 @@ def _after_fork_in_parent() -> None:
         for block in _root_blocks.values():
             block.pinned = True
         _forked_segments.update(s.id for s in _segments.values() if s.name)
+        _fork_acquired.clear()
     finally:
         _lock.release()
     _drain()
@@ -994,9 +1038,16 @@ def _after_fork_in_child() -> None:
     _exiting = False
     _pending = collections.deque()
     _unannounced.clear()
+    ours = {id(b) for b in _fork_acquired}  # the handles the parent acquired for us
+    _fork_acquired.clear()
     for block in _root_blocks.values():
         block.pinned = True
-        block.received = block.announced = 0  # the parent releases what it received, not us
+        # The parent releases what it received; we release the one handle it acquired for us
+        # (told as a hold at our first send or at exit: no thread is started in a fork hook).
+        block.received = block.announced = 0
+        if id(block) in ours:
+            block.received = 1
+            _unannounced.add(block)
     if _allocator.server is not None:
         _allocator.server.detach_after_fork()
     release.reset_after_fork()
@@ -1012,6 +1063,7 @@ def _after_fork_in_child() -> None:
 
 release.set_flusher(flush_records)
 atexit.register(process_exiting)
+_ready = True  # set last: other modules find this one in sys.modules while it is imported
 os.register_at_fork(
     before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
 )

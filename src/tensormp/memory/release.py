@@ -291,6 +291,11 @@ def take_queued(address: bytes) -> bytes:
     return b"".join(records)
 
 
+def is_pending(address: bytes) -> bool:
+    """Whether records for ``address`` are still queued (its buffer was full)."""
+    return bool(_outbox.get(address))
+
+
 def has_queued() -> bool:
     return _outbox_count > 0
 

@@ -260,9 +260,7 @@ class _Engine:
         self._dispatch()
         if state == _CLOSE and self._closing_done():
             return False
-        allocator = sys.modules.get("tensormp.memory.allocator")
-        if allocator is not None:
-            allocator.flush_records()  # what we hold and dropped, before we wait
+        reducers.flush_release_records()  # what we hold and dropped, before we wait
         events = self._poller.poll(_LIVENESS_INTERVAL * 1000)
         todo = [(self._fdmap.get(fd), fd) for fd, _ in events]
         for entry, fd in todo:

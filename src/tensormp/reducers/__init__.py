@@ -43,6 +43,7 @@ from ..errors import HandleError
 
 __all__ = [
     "Message", "dumps", "loads", "register", "current_message", "take_fd", "note_named",
+    "flush_release_records",
     "process_args_parent", "current_process_args_parent",
 ]
 
@@ -79,8 +80,20 @@ def register(cls: type, reducer: Callable[[Any], Any]) -> None:
     _table_cache = None
 
 
+# Reducer modules whose registrations are complete. Not ``sys.modules``: a module is there as
+# soon as its import starts, so a second thread would skip the import and pickle (or fail to
+# unpickle) before the first thread has registered anything. ``import_module`` of a module
+# that another thread is importing waits for it.
+_loaded: set[str] = set()
+
+
+def mark_loaded(module: str) -> None:
+    """Called last by a reducer module: its reducers and extension codes are registered."""
+    _loaded.add(module)
+
+
 def _register_torch() -> None:
-    if "torch" in sys.modules and "tensormp.reducers.torch" not in sys.modules:
+    if "torch" in sys.modules and "tensormp.reducers.torch" not in _loaded:
         # Likewise torch, whichever of torch and tensormp was imported first; tensormp never
         # imports torch itself. Its tensor reducers win over torch's (see reducers/torch.py).
         import tensormp.reducers.torch  # noqa: F401
@@ -89,9 +102,9 @@ def _register_torch() -> None:
 def _dispatch_table() -> dict[type, Any]:
     global _table_cache
     modules = sys.modules
-    if "numpy" in modules and "tensormp.reducers.numpy" not in modules:
+    if "numpy" in modules and "tensormp.reducers.numpy" not in _loaded:
         # numpy is loaded only when the program uses it: register its reducers then.
-        import tensormp.reducers.numpy  # noqa: F401
+        importlib.import_module("tensormp.reducers.numpy")
     if "torch" in modules:
         _register_torch()
     extra = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
@@ -178,6 +191,15 @@ class _Pickler(pickle.Pickler):
     :func:`_dispatch_table` replaces when a registration changes)."""
 
     dispatch_table: dict[type, Any] = {}
+
+
+def flush_release_records() -> None:
+    """Send this process's queued hold/release records now (``memory/release.py``), if the
+    allocator is loaded, and fully: another thread may be importing it. Called before
+    sending a message, so creators learn who holds what before any reply can come back."""
+    allocator = sys.modules.get("tensormp.memory.allocator")
+    if allocator is not None and getattr(allocator, "_ready", False):
+        allocator.flush_records()
 
 
 def current_message() -> Message | None:
@@ -284,7 +306,7 @@ def loads(data: bytes | bytearray | memoryview, fds: list[int]) -> Any:
     """Unpickle a message; owns ``fds`` (each is taken by a rebuild or closed here)."""
     modules = sys.modules
     for marker, module in _EXT_MARKERS:
-        if module not in modules and marker in data:
+        if module not in _loaded and marker in data:
             importlib.import_module(module)
     received = _Received(fds)
     stack = _tls.__dict__.setdefault("loading", [])

@@ -40,6 +40,7 @@ from . import (
     NDARRAY_EXT,
     current_message,
     current_process_args_parent,
+    mark_loaded,
     note_named,
     register,
     register_extension,
@@ -190,3 +191,4 @@ def rebuild_ndarray(
 
 register(np.ndarray, reduce_ndarray)
 register_extension(rebuild_ndarray, NDARRAY_EXT)
+mark_loaded(__name__)

@@ -111,7 +111,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..errors import HandleError
 from ..memory import allocate, find_block
 from ..memory.release import process_start_time
-from . import current_message, register, take_fd
+from . import current_message, mark_loaded, register, take_fd
 from . import numpy as _numpy_reducers  # noqa: F401 - the storage handle is an ndarray handle
 
 __all__ = [
@@ -596,3 +596,4 @@ register(torch.storage.TypedStorage, _torch_reductions.reduce_typed_storage)
 for _cls in torch._storage_classes:  # the legacy typed storages (torch.FloatStorage...)
     if _cls is not torch.UntypedStorage:
         register(_cls, _reduce_legacy_storage)
+mark_loaded(__name__)
