@@ -134,7 +134,10 @@ class Block:
         self.received = 0
         self.announced = 0
         self.pinned = False
-        self.holders: dict[tuple[int, int], int] | None = None  # (pid, start) -> handles held
+        # Who holds handles (see _holders_add): None, one ((pid, start), count) tuple (the
+        # common case; a tuple of ints is not tracked by the garbage collector, which matters
+        # with 100,000 blocks out), or a dict (pid, start) -> count.
+        self.holders: tuple[tuple[int, int], int] | dict[tuple[int, int], int] | None = None
         self.ref: _RootRef | None = None  # the current root's weakref
         self.local_dead = False  # the death of this process's last root has been processed
 
@@ -192,11 +195,7 @@ class _Allocator:
         else:
             arena = self.current.get(size)
             if arena is None or arena.bumped == arena.nslots:
-                # Arenas of a class grow (up to ARENA_MAX) as the class keeps more of them, so
-                # a receiver keeping many arrays holds few fds.
-                same = sum(1 for a in self.arenas.values() if a.block_size == size)
-                grown = max(ARENA_MIN, 16 * size) << min(4, same // 2)
-                seg = Segment.create(min(ARENA_MAX, grown), "arena")
+                seg = Segment.create(self._next_arena_bytes(size), "arena")
                 arena = _Arena(seg, size, seg.size // size)
                 self.arenas[seg.id] = arena
                 self.current[size] = arena
@@ -207,6 +206,12 @@ class _Allocator:
         arena.live += 1
         self.in_use_bytes += size
         return Block(arena.segment, offset, size, True, self.pid)
+
+    def _next_arena_bytes(self, size: int) -> int:
+        # Arenas of a class grow (up to ARENA_MAX) as the class keeps more of them, so a
+        # receiver keeping many arrays holds few fds.
+        same = sum(1 for a in self.arenas.values() if a.block_size == size)
+        return min(ARENA_MAX, max(ARENA_MIN, 16 * size) << min(4, same // 2))
 
     def _allocate_large(self, nbytes: int) -> Block:
         size = -(-nbytes // PAGE_SIZE) * PAGE_SIZE
@@ -534,20 +539,43 @@ def _on_release_records(pid: int, records: list[tuple[bytes, bytes, int, int, in
                     _drop_remote_locked(block, count)
                     continue
                 if pid:
-                    holders = block.holders
-                    if holders is None:
-                        holders = block.holders = {}
                     # A negative count is kept: a child's release of its Process arguments
                     # can arrive before the parent registers it as their holder
                     # (register_holder), which then brings it back to zero instead of
                     # leaving a stale hold for the sweep to drop.
-                    held = holders.get(key, 0) + (count if op == b"H" else -count)
-                    if held:
-                        holders[key] = held
-                    else:
-                        holders.pop(key, None)
+                    _holders_add(block, key, count if op == b"H" else -count)
                 if op == b"R":
                     _drop_remote_locked(block, count)
+
+
+def _holders_add(block: Block, key: tuple[int, int], delta: int) -> None:
+    holders = block.holders
+    if holders is None:
+        if delta:
+            block.holders = (key, delta)
+    elif type(holders) is tuple:
+        if holders[0] == key:
+            held = holders[1] + delta
+            block.holders = (key, held) if held else None
+        elif delta:
+            block.holders = {holders[0]: holders[1], key: delta}
+    else:
+        held = holders.get(key, 0) + delta  # type: ignore[union-attr]
+        if held:
+            holders[key] = held  # type: ignore[index]
+        else:
+            holders.pop(key, None)  # type: ignore[union-attr]
+            if not holders:
+                block.holders = None
+
+
+def _holders_items(block: Block) -> list[tuple[tuple[int, int], int]]:
+    holders = block.holders
+    if holders is None:
+        return []
+    if type(holders) is tuple:
+        return [holders]  # type: ignore[list-item]
+    return list(holders.items())  # type: ignore[union-attr]
 
 
 def _holder_key(pid: int) -> tuple[int, int]:
@@ -582,11 +610,11 @@ def _sweep_dead_holders() -> None:
         blocks = [b for b in _allocator.remote_held.values() if b.holders]
         alive: dict[tuple[int, int], bool] = {}
         for block in blocks:
-            for key in list(block.holders or ()):
+            for key, held in _holders_items(block):
                 if key not in alive:
                     alive[key] = key[1] != 0 and release.process_start_time(key[0]) == key[1]
                 if not alive[key] and block.holders is not None:
-                    held = block.holders.pop(key)
+                    _holders_add(block, key, -held)  # forget it
                     if held > 0:  # a negative count is a release that came before its hold
                         _drop_remote_locked(block, held)
         for pid in [p for p, st in _start_times.items() if not alive.get((p, st), True)]:
@@ -880,18 +908,13 @@ def register_holder(pid: int, blocks: list[Block]) -> None:
         for block in blocks:
             if _allocator.remote_held.get((block.segment.id, block.offset)) is not block:
                 continue  # released already, down to zero (maybe recycled and sent again)
-            holders = block.holders if block.holders is not None else {}
-            block.holders = holders
-            early = next((k for k, n in holders.items() if k[0] == pid and n < 0), None)
+            early = next((k for k, n in _holders_items(block) if k[0] == pid and n < 0), None)
             if early is not None:  # its release came first
-                if holders[early] + 1:
-                    holders[early] += 1
-                else:
-                    del holders[early]
+                _holders_add(block, early, 1)
             elif start is None:
                 _drop_remote_locked(block, 1)  # gone without releasing: nothing holds it now
             else:
-                holders[(pid, start)] = holders.get((pid, start), 0) + 1
+                _holders_add(block, (pid, start), 1)
         if start is not None:
             _start_times[pid] = start
 
