@@ -211,12 +211,27 @@ def current_message() -> Message | None:
 def dumps(obj: object) -> Message:
     """Pickle ``obj`` for a tensormp channel. Errors raise here, in the caller."""
     msg = Message()
-    stack = _tls.__dict__.setdefault("dumping", [])
+    local = _tls.__dict__
+    stack = local.setdefault("dumping", [])
     stack.append(msg)
     try:
-        _dispatch_table()
-        buf = io.BytesIO()
-        _Pickler(buf, _PROTOCOL).dump(obj)
+        table = _dispatch_table()
+        # One pickler per thread, reused (0.4 us of a 4 KiB array's ~6 us here); a fresh one
+        # when the dispatch table changed or for a dumps() inside a reducer.
+        cached = local.get("pickler")
+        if cached is not None and cached[2] is table and len(stack) == 1:
+            pickler, buf, _ = cached
+            buf.seek(0)
+            buf.truncate()
+        else:
+            buf = io.BytesIO()
+            pickler = _Pickler(buf, _PROTOCOL)
+            if len(stack) == 1:
+                local["pickler"] = (pickler, buf, table)
+        try:
+            pickler.dump(obj)
+        finally:
+            pickler.clear_memo()  # the memo refers to what was pickled: keep nothing alive
         msg.data = buf.getvalue()
         if msg.named:
             # Tell the cleanup daemon before the message can leave (file_system strategy).
