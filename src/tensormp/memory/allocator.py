@@ -19,12 +19,22 @@ Who owns what, who frees what:
   acquires from processes that forwarded the block, minus counts released by receivers
   (``release.py`` has the protocol). It recycles a block (free list, or cache of large
   segments, bounded by the cache limit) when its own root is dead and the remote count is 0.
-* A receiver's root on a foreign block counts the handles it rebuilt into it; when the root
-  dies, it sends that count back to the creator. The receiver keeps the segment mapped in an
-  LRU cache of idle foreign mappings (bounded in bytes and number), so the next array in the
-  same segment costs no mmap and no page faults. ``empty_cache()`` unmaps them.
+* A copy made only to be sent (``allocate_sent``: an array that was not shared yet, put on a
+  queue) gets no root in its creator at all: it is counted as sent and "locally dead" from
+  the start, and recycled as soon as the receiver's release comes back. A producer that sends
+  fresh arrays thus pays no root, weakref or root death per array.
+* A receiver's root on a foreign block counts the handles it rebuilt into it (``received``)
+  and how many of those the creator was told about (``announced``: holds are announced
+  lazily, see release.py); when the root dies, it sends ``R`` for the announced ones and ``D``
+  for the rest. The receiver keeps the segment mapped in an LRU cache of idle foreign mappings
+  (bounded in bytes and number), so the next array in the same segment costs no mmap and no
+  page faults; a reaper thread drops idle mappings whose creator died. ``empty_cache()``
+  unmaps them.
 * Blocks alive when a process forks are *pinned*: the child can write them through memory it
-  inherited without ever sending a release, so the parent never recycles them.
+  inherited without ever sending a release, so the parent never recycles them. Blocks the
+  parent *received* are another matter (their creator recycles them once the parent lets go):
+  before the fork, the parent acquires one handle per such block for the child (blocking
+  ``A`` records, as a forward does), and the child releases it when its own views die.
 
 What each party sees when another is SIGKILLed at any line: nothing to clean up. There is no
 name and no shared counter; memory is held by fds and mappings, which the kernel drops with the
