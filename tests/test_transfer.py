@@ -644,3 +644,43 @@ def test_fork_child_keeps_arrays_its_parent_received():
     child.join(30)
     creator.join(30)
     assert child.exitcode == 0 and creator.exitcode == 0
+
+
+def _hold_until_told(q, ready, go, result):
+    kept = q.get()
+    ready.put(float(kept[0]))  # a send: our hold is announced to the creator before this
+    go.get()
+    result.put(bool((kept == 5.0).all()))
+    del kept
+
+
+def test_two_holders_one_sigkilled_the_other_still_protected():
+    """Two processes hold the same block; the creator drops the SIGKILLed one's hold (its
+    liveness sweep) and must keep the block for the other until it lets go."""
+    ctx = mp.get_context("spawn")
+    q1, q2, ready, go, result = (ctx.Queue() for _ in range(5))
+    victim = ctx.Process(target=_hold_forever, args=(q1, ready))
+    keeper = ctx.Process(target=_hold_until_told, args=(q2, ready, go, result))
+    victim.start()
+    keeper.start()
+    a = mp.full(1 << 17, 5.0)  # 1 MiB: its own block
+    q1.put(a)
+    q2.put(a)
+    assert sorted([ready.get(timeout=30), ready.get(timeout=30)]) == [5.0, float(1 << 20) * 5.0 / 8]
+    del a
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(30)
+    import time
+
+    time.sleep(2.5)  # the creator's sweep (about once a second) drops the victim's hold
+    held = mp.memory_stats()["remote_held_bytes"]
+    assert held >= 1 << 20  # still held by the keeper
+    scratch = [mp.empty(1 << 17) for _ in range(4)]  # a recycled block would be reused here
+    for s in scratch:
+        s[...] = -1.0
+    go.put(1)
+    assert result.get(timeout=30) is True
+    keeper.join(30)
+    del scratch
+    stats = _stats_after(lambda s: s["remote_held_bytes"] == 0, 10.0)
+    assert stats["remote_held_bytes"] == 0
