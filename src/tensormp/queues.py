@@ -8,12 +8,15 @@ Same API and semantics as the stdlib's (``multiprocessing.queues``), with two di
   the object's state at ``put()`` time.
 * The pipe underneath is a Unix socket pair carrying the fds of shared-memory segments beside
   each message (``connection.py``), so a consumer can rebuild arrays whose producer has exited.
-* When nothing is waiting in the feeder's buffer, ``put()`` tries to write the message itself
-  without blocking (the socket has room and no other process is writing): one thread hop and
-  one wake-up less per item. Otherwise, or if the socket is full, the message goes to the
-  feeder as in the stdlib. Order is kept: the feeder takes a message from its buffer and
-  writes it while holding the same thread lock (``_direct``) that ``put()`` needs, and
-  ``put()`` writes only when the buffer is empty. ``put()`` still never waits for a consumer.
+* ``put()`` tries to write the message itself, without blocking (messages up to 32 KiB and
+  253 fds, when no other thread or process is writing): one thread hop and one wake-up less
+  per item. It first writes what the feeder's buffer still holds, so order is kept; whatever
+  the socket does not take at once (it is full) goes to the feeder, as in the stdlib, and
+  ``put()`` never waits for a consumer. The feeder takes a message from its buffer and
+  writes it while holding the same thread lock (``_direct``) that ``put()`` needs, and waits
+  for room with ``poll()`` *without* holding it. Measured: a producer whose writes were all
+  left to the feeder spent about twice the CPU per 4 KiB array (two threads taking turns on
+  the GIL for every message) as one that writes itself.
 
 A message in a ``Queue`` (pickled, waiting in the feeder's buffer) keeps the memory it refers
 to alive until the feeder has written it to the socket; from then on the kernel holds the
