@@ -379,3 +379,16 @@ def test_missing_shm_dir_is_a_clear_error(monkeypatch, file_system, tmp_path):
     monkeypatch.setenv("TENSORMP_SHM_DIR", str(tmp_path / "nope"))
     with pytest.raises(SharedMemoryError, match="does not exist or is not a directory"):
         mp.zeros(10)
+
+
+def test_fork_child_before_any_allocation_belongs_to_the_program(shm_dir):
+    """Regression: a child forked before the parent had made any shared memory took itself for
+    the program root (the fork hook that passes the program id on was registered only once the
+    file_system module was imported), so its unread files were removed when it exited."""
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "fs_fork_first.py")],
+        env=_env(shm_dir), capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res == {"values": [5.0, 7.0, 9.0], "errors": [], "exitcode": 0}

@@ -79,17 +79,15 @@ def _settings() -> dict[str, Any]:
     """What a child inherits from its parent besides its arguments: the sharing strategy (torch
     drops it under spawn and forkserver) and the program it belongs to (``file_system``)."""
     from . import strategies
-    from .strategies import file_system
 
-    return {"strategy": strategies.get_sharing_strategy(), "program": file_system.program()}
+    return {"strategy": strategies.get_sharing_strategy(), "program": strategies.program()}
 
 
 def _apply_settings(settings: dict[str, Any]) -> None:
     from . import strategies
-    from .strategies import file_system
 
     strategies.set_sharing_strategy(settings["strategy"])
-    file_system.set_program(settings["program"])
+    strategies.set_program(settings["program"])
 
 
 def _rebuild_process(

@@ -17,7 +17,58 @@ children a tensormp context starts (spawn and forkserver included).
 
 from __future__ import annotations
 
-__all__ = ["get_all_sharing_strategies", "get_sharing_strategy", "set_sharing_strategy"]
+import os
+
+__all__ = [
+    "get_all_sharing_strategies", "get_sharing_strategy", "set_sharing_strategy",
+    "process_start_time", "process_alive", "program", "set_program",
+]
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot, or None if it has exited (or is a
+    zombie, which holds no memory any more)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+    fields = raw[raw.rindex(b")") + 2 :].split()
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])  # field 22 of the whole line
+
+
+def process_alive(pid: int, start: int) -> bool:
+    """True while the process ``(pid, start)`` lives (a reused pid does not count)."""
+    return pid > 0 and process_start_time(pid) == start
+
+
+_program: tuple[int, int] | None = None
+
+
+def program() -> tuple[int, int]:
+    """``(pid, start time)`` of the root of this process's program (see the module notes)."""
+    global _program
+    if _program is None:
+        pid = os.getpid()
+        _program = (pid, process_start_time(pid) or 0)
+    return _program
+
+
+def set_program(value: tuple[int, int]) -> None:
+    """In a child started by a tensormp context: adopt the parent's program id."""
+    global _program
+    _program = (int(value[0]), int(value[1]))
+
+
+# A forked child belongs to its parent's program: the parent fixes its own id before any fork
+# (a child forked first would otherwise take itself for the root, and the cleanup daemon would
+# remove the files of its messages still unread when it exits). Registered at import, whatever
+# the strategy: the strategy can change later, in the parent or in a child.
+os.register_at_fork(before=program)
+
 
 _AVAILABLE = ("file_descriptor", "file_system")
 _strategy = "file_descriptor"

@@ -70,49 +70,10 @@ def shm_dir() -> str:
     return os.environ.get("TENSORMP_SHM_DIR") or "/dev/shm"
 
 
-def process_start_time(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot, or None if it has exited (or is a
-    zombie, which holds no memory any more)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-    fields = raw[raw.rindex(b")") + 2 :].split()
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[19])  # field 22 of the whole line
-
-
-def process_alive(pid: int, start: int) -> bool:
-    """True while the process ``(pid, start)`` lives (a reused pid does not count)."""
-    return pid > 0 and process_start_time(pid) == start
-
-
-_program: tuple[int, int] | None = None
-
-
-def program() -> tuple[int, int]:
-    """``(pid, start time)`` of the root of this process's program (see the module notes)."""
-    global _program
-    if _program is None:
-        pid = os.getpid()
-        _program = (pid, process_start_time(pid) or 0)
-    return _program
-
-
-def set_program(value: tuple[int, int]) -> None:
-    """In a child started by a tensormp context: adopt the parent's program id."""
-    global _program
-    _program = (int(value[0]), int(value[1]))
-
-
-def _after_fork_in_child() -> None:
-    program()  # a forked child belongs to its parent's program (already set, or set now)
-
-
-os.register_at_fork(before=program, after_in_child=_after_fork_in_child)
+# The program id and process identity live in the package (strategies/__init__.py), so that
+# the fork hook that passes the program id on is registered whatever the strategy, and
+# without importing this module.
+from . import process_alive, process_start_time, program, set_program  # noqa: E402
 
 _self: tuple[int, int] | None = None
 
