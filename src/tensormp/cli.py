@@ -125,6 +125,8 @@ def _scan_proc(shm: str) -> _Scan:
         except FileNotFoundError:
             continue
         except OSError:
+            if fs.process_start_time(pid) is None:
+                continue  # exited or a zombie meanwhile: it holds nothing any more
             scan.unreadable += 1
             fds = []
         for fd in fds:
@@ -380,8 +382,9 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         f"{len(memfds)} memfd segment(s) ({_fmt(sum(r.size for r in memfds))})"
     )
     if orphans:
-        print(f"{len(orphans)} orphaned ({_fmt(sum(r.size for r in orphans))}): "
-              "run `tensormp gc` to remove them")
+        how = ("the cleanup daemon removes them within about a second, or run `tensormp gc`"
+               if state is not None else "run `tensormp gc` to remove them")
+        print(f"{len(orphans)} orphaned ({_fmt(sum(r.size for r in orphans))}): {how}")
     if state is not None:
         print(f"cleanup daemon: pid {state.get('pid')}, {state.get('clients')} client(s)")
     elif error:
