@@ -316,15 +316,22 @@ class _Locked:
         _lock.acquire()
 
     def __exit__(self, *exc: object) -> None:
-        try:
-            _process_pending_locked()
-        finally:
-            _lock.release()
-        if _pending:
-            _drain()
+        _unlock()
 
 
 _locked = _Locked()
+
+
+def _unlock() -> None:
+    """Release ``_lock`` (taken with ``_lock.acquire()``), first processing the blocks that
+    weakref callbacks queued meanwhile, then any queued after (as ``with _locked:``)."""
+    try:
+        if _pending:
+            _process_pending_locked()
+    finally:
+        _lock.release()
+    if _pending:
+        _drain()
 
 
 def _process_pending_locked() -> None:
@@ -740,13 +747,7 @@ def allocate_sent(nbytes: int) -> Block:
         block.local_dead = True
         _allocator.remote_held_bytes += block.capacity
     finally:
-        try:
-            if _pending:
-                _process_pending_locked()
-        finally:
-            _lock.release()
-    if _pending:
-        _drain()
+        _unlock()
     return block
 
 
@@ -893,13 +894,7 @@ def attach(
                     _unannounced.add(block)
         return root  # type: ignore[return-value]
     finally:
-        try:
-            if _pending:
-                _process_pending_locked()
-        finally:
-            _lock.release()
-        if _pending:
-            _drain()
+        _unlock()
 
 
 def register_holder(pid: int, blocks: list[Block]) -> None:
