@@ -50,22 +50,6 @@ from . import (
 __all__ = ["reduce_ndarray", "rebuild_ndarray", "copy_to_shared"]
 
 
-def _copy_into(a: np.ndarray, root: np.ndarray) -> np.ndarray:
-    """Copy ``a`` to the start of block ``root`` (keeping C/F order); returns the copy."""
-    order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
-    out = np.ndarray(a.shape, a.dtype, root, 0, None, order)
-    if a.dtype.fields is not None:
-        # Structured: copy the bytes, padding included (copyto copies fields only, which
-        # would leave a recycled block's old bytes in the padding).
-        if a.flags.c_contiguous or a.flags.f_contiguous:
-            root[: a.nbytes] = np.frombuffer(a.data.cast("B") if a.flags.c_contiguous else
-                                             a.T.data.cast("B"), np.uint8)
-            return out
-        root[: a.nbytes] = 0
-    np.copyto(out, a, casting="no")
-    return out
-
-
 def _copy_to_view(a: np.ndarray, view: memoryview, start: int) -> tuple[int, ...] | None:
     """Copy ``a`` to ``view[start:]`` (a segment's bytes); returns the strides of the copy,
     None for C order. A C- or F-contiguous array is copied as raw bytes (padding included),
@@ -94,7 +78,8 @@ def _copy_to_view(a: np.ndarray, view: memoryview, start: int) -> tuple[int, ...
 def copy_to_shared(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """One copy of ``a`` in a fresh block: returns ``(copy, root)``; keeps C/F order."""
     root = memory.allocate(a.nbytes)
-    return _copy_into(a, root), root
+    strides = _copy_to_view(a, memoryview(root), 0)
+    return np.ndarray(a.shape, a.dtype, root, 0, strides), root
 
 
 def _dtype_token(dt: np.dtype) -> Any:
