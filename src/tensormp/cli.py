@@ -98,6 +98,16 @@ class _Scan:
     unreadable: int = 0
 
 
+
+def _named_entry(scan: Any, path: str, prefix: str) -> Any:
+    """The scan's entry for the named segment at ``path`` (under ``prefix``, the shm directory
+    plus the name prefix; a ``(deleted)`` suffix is noted, not part of the name)."""
+    deleted = path.endswith(_DELETED)
+    name = path[len(prefix) - len(fs.PREFIX) :]
+    entry = scan.named.setdefault(name[: -len(_DELETED)] if deleted else name, _Named())
+    entry.deleted |= deleted
+    return entry
+
 def _parse_memfd(target: str) -> tuple[str, int] | None:
     """``'/memfd:tensormp-12-<hex> (deleted)'`` -> ``('tensormp-12-<hex>', 12)``."""
     if not target.startswith(_MEMFD_PREFIX):
@@ -149,11 +159,8 @@ def _scan_proc(shm: str) -> _Scan:
                 if not m.path or pid != me:
                     m.path = link
             elif target.startswith(prefix):
-                deleted = target.endswith(_DELETED)
-                name = target[len(prefix) - len(fs.PREFIX) :]
-                n = scan.named.setdefault(name[: -len(_DELETED)] if deleted else name, _Named())
+                n = _named_entry(scan, target, prefix)
                 n.fd_holders.add(pid)
-                n.deleted |= deleted
                 try:
                     n.size = max(n.size, os.stat(link).st_size)
                 except OSError:
@@ -185,11 +192,8 @@ def _scan_proc(shm: str) -> _Scan:
                 if not m.fd_holders:
                     m.size = max(m.size, length)
             elif path.startswith(prefix):
-                deleted = path.endswith(_DELETED)
-                name = path[len(prefix) - len(fs.PREFIX) :]
-                n = scan.named.setdefault(name[: -len(_DELETED)] if deleted else name, _Named())
+                n = _named_entry(scan, path, prefix)
                 n.map_holders.add(pid)
-                n.deleted |= deleted
                 n.size = max(n.size, length)
     return scan
 
