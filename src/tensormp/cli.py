@@ -98,7 +98,6 @@ class _Scan:
     unreadable: int = 0
 
 
-
 def _named_entry(scan: Any, path: str, prefix: str) -> Any:
     """The scan's entry for the named segment at ``path`` (under ``prefix``, the shm directory
     plus the name prefix; a ``(deleted)`` suffix is noted, not part of the name)."""
