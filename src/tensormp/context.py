@@ -169,14 +169,17 @@ class _ContextMixin:
         initializer: Any = None,
         initargs: Any = (),
         maxtasksperchild: int | None = None,
+        **engine: Any,
     ) -> Any:
         """A :class:`tensormp.pool.Pool` of this context's start method (arrays travel as
-        shared memory; a dead worker fails its task instead of hanging the pool)."""
+        shared memory; a dead worker fails its task instead of hanging the pool). Keywords
+        ``engine``, ``address``, ``ray_remote_args``: as :class:`tensormp.pool.Pool`."""
         from .pool import Pool
 
         return Pool(
             processes, initializer, initargs, maxtasksperchild,
             context=self.get_context(),  # type: ignore[attr-defined]
+            **engine,
         )
 
 

@@ -1,6 +1,8 @@
 """``ProcessPoolExecutor``: ``concurrent.futures.ProcessPoolExecutor`` whose arguments and
-results travel through shared memory, on the engine of :class:`tensormp.Pool` (``pool/__init__.py``
-has the design note: per-worker channels, one manager thread, dead-worker attribution).
+results travel through shared memory, on the engines of :class:`tensormp.Pool` (``local``:
+``pool/__init__.py`` has the design note: per-worker channels, one manager thread, dead-worker
+attribution; ``ray``: workers are Ray actors). It talks to its engine through the interface in
+``pool/engines/__init__.py`` only.
 
 What differs from ``concurrent.futures``, and why:
 
@@ -30,7 +32,7 @@ import functools
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Executor, Future, InvalidStateError
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import util as _mputil
@@ -42,11 +44,11 @@ from .pool import (
     BrokenPoolError,
     WorkerLostError,
     _cpu_count,
-    _Engine,
     _prepare,
     _Progress,
     _Task,
 )
+from .pool.engines import Engine, EngineConfig, create
 
 __all__ = ["ProcessPoolExecutor", "TerminatedWorkerError", "BrokenExecutorError"]
 
@@ -78,7 +80,7 @@ def _future_sink(future: Future[Any], ok: bool, value: Any) -> None:
         pass
 
 
-def _close_at_gc(engine: _Engine) -> None:
+def _close_at_gc(engine: Engine) -> None:
     engine.close()
     if _mputil.is_exiting():  # interpreter exit: finish the work, as concurrent.futures
         engine.join()
@@ -100,10 +102,15 @@ class ProcessPoolExecutor(Executor):
         initializer: called as ``initializer(*initargs)`` in each worker when it starts.
         initargs: arguments for ``initializer``; arrays arrive as shared memory.
         max_tasks_per_child: calls (or ``map`` chunks) a worker runs before it is replaced.
+        engine, address, ray_remote_args: as :class:`tensormp.Pool` (``engine="ray"`` runs the
+            workers as Ray actors on a Ray cluster).
 
     Raises:
-        ValueError: ``max_workers <= 0`` or ``max_tasks_per_child < 1``.
+        ValueError: ``max_workers <= 0``, ``max_tasks_per_child < 1``, an unknown ``engine``,
+            or ``address``/``ray_remote_args`` with ``engine="local"``.
         TypeError: ``initializer`` is not callable, or ``initargs`` is not a tuple.
+        ImportError: ``engine="ray"`` and Ray is not installed.
+        ConnectionError: ``engine="ray"`` and the cluster at ``address`` cannot be reached.
     """
 
     def __init__(
@@ -114,6 +121,9 @@ class ProcessPoolExecutor(Executor):
         initargs: tuple[Any, ...] = (),
         *,
         max_tasks_per_child: int | None = None,
+        engine: str = "local",
+        address: str | None = None,
+        ray_remote_args: Mapping[str, Any] | None = None,
     ) -> None:
         from .context import get_context
 
@@ -141,15 +151,18 @@ class ProcessPoolExecutor(Executor):
         self._max_workers = max_workers
         self._shutdown_lock = threading.Lock()
         self._shutdown_thread = False
-        self._engine = _Engine(
-            ctx=ctx, processes=max_workers, initializer=init, initargs=tuple(initargs),
+        config = EngineConfig(
+            processes=max_workers, initializer=init, initargs=tuple(initargs),
             maxtasks=max_tasks_per_child, owner="tensormp.ProcessPoolExecutor",
-            lost_error=TerminatedWorkerError, broken_error=BrokenExecutorError,
+            lost_error=TerminatedWorkerError, broken_error=BrokenExecutorError, ctx=ctx,
+        )
+        self._engine = create(
+            engine, config, {"address": address, "ray_remote_args": ray_remote_args}
         )
         _mputil.Finalize(self, _close_at_gc, (self._engine,), exitpriority=10)
 
     def _check(self) -> None:
-        if self._engine._broken_msg is not None:
+        if self._engine.is_broken:
             raise self._engine.broken()
         if self._shutdown_thread:
             raise RuntimeError("cannot schedule new futures after shutdown")
@@ -246,11 +259,10 @@ class ProcessPoolExecutor(Executor):
 
     def __repr__(self) -> str:
         engine = self._engine
-        pids = [w.pid for w in list(engine.workers) if not w.gone]
-        state = "broken" if engine._broken_msg else ("shutdown" if self._shutdown_thread else "running")
+        state = "broken" if engine.is_broken else ("shutdown" if self._shutdown_thread else "running")
         return (
             f"<tensormp.ProcessPoolExecutor {state} max_workers={self._max_workers} "
-            f"start_method={engine.method} pids={pids}>"
+            f"{engine.describe()}>"
         )
 
 

@@ -74,23 +74,26 @@ Modules
   channel.
 * ``tasks.py``: a task as the parent holds it (``_Task``), how its callable travels (by name,
   or by value with cloudpickle), and how error messages name it.
-* ``manager.py``: the manager thread and the workers' bookkeeping (``_Engine``, also the engine
-  of ``tensormp.futures``): dispatch and prefetch, dead workers, close and terminate.
+* ``engines/``: what runs the tasks, behind one interface (``engines/__init__.py``):
+  ``base.py`` (the task deque, state and flow control every engine shares), ``local.py`` (the
+  engine described above: the manager thread and the workers' bookkeeping, dispatch and
+  prefetch, dead workers, close and terminate), ``ray.py`` (workers as Ray actors).
 * ``results.py``: :class:`AsyncResult` (``ApplyResult``), :class:`MapResult`,
   :class:`IMapIterator`.
 * ``progress.py``: ``progress=True`` (a tqdm bar) or ``progress=callable(done, total)``.
-* ``pool.py``: :class:`Pool`, the public API on top of the engine.
+* ``pool.py``: :class:`Pool`, the public API on top of an engine (also the front end of
+  ``tensormp.futures``).
 
 This package imports nothing heavy: a worker imports numpy only if its tasks carry arrays.
 """
 
 from __future__ import annotations
 
-# Also imported from here: the private names tensormp.futures uses (_CALL, _STARMAP, _Engine,
+# Also imported from here: the private names tensormp.futures uses (_CALL, _STARMAP,
 # _Task, _prepare, _Progress, _cpu_count), and the worker's functions that pickles made before
 # the split name at this path (_worker_main, _rebuild_raw_fd).
+from .engines.local import _Engine  # noqa: F401
 from .errors import BrokenPoolError, WorkerLostError
-from .manager import _Engine  # noqa: F401
 from .pool import Pool, _cpu_count  # noqa: F401
 from .progress import _Progress  # noqa: F401
 from .results import ApplyResult, AsyncResult, IMapIterator, MapResult

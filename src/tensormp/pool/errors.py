@@ -33,22 +33,26 @@ class WorkerLostError(TensormpError, RuntimeError):
     (a ``sys.exit()`` in the task, or the faulthandler stack of a SIGSEGV/SIGBUS/SIGABRT).
 
     Attributes:
-        pid: the worker's process id.
-        exitcode: its exit status (negative: killed by signal ``-exitcode``).
+        pid: the worker's process id (None when not known: a Ray actor that died starting).
+        exitcode: its exit status (negative: killed by signal ``-exitcode``; None when not
+            known, as for most deaths of Ray actors).
         signal_name: ``"SIGKILL"`` etc. when killed by a signal, else None.
         task: what it was running, e.g. ``"map(work) chunk 3 of 8 (items 6-7)"``.
+        node: the address of the worker's machine (``engine="ray"``), else None.
     """
 
     __module__ = "tensormp.pool"  # the public path (see the module docstring)
 
     def __init__(
-        self, msg: str, pid: int | None = None, exitcode: int | None = None, task: str = ""
+        self, msg: str, pid: int | None = None, exitcode: int | None = None, task: str = "",
+        node: str | None = None,
     ) -> None:
         super().__init__(msg)
         self.msg = msg
         self.pid = pid
         self.exitcode = exitcode
         self.task = task
+        self.node = node
 
     @property
     def signal_name(self) -> str | None:
@@ -60,7 +64,7 @@ class WorkerLostError(TensormpError, RuntimeError):
         return self.msg
 
     def __reduce__(self) -> Any:
-        return type(self), (self.msg, self.pid, self.exitcode, self.task)
+        return type(self), (self.msg, self.pid, self.exitcode, self.task, self.node)
 
 
 class BrokenPoolError(TensormpError, RuntimeError):

@@ -1,5 +1,6 @@
 """The public :class:`Pool`: the stdlib's API (argument checks, chunking, the ``imap`` feeder
-thread, close/terminate/join) on top of the manager's :class:`~tensormp.pool.manager._Engine`.
+thread, close/terminate/join) on top of an engine (``engines/__init__.py``: the interface;
+``local`` or ``ray``).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from multiprocessing import util as _mputil
 from typing import Any
 
+from .engines import Engine, EngineConfig, create
+from .engines.base import _RUN
 from .errors import BrokenPoolError, WorkerLostError
-from .manager import _RUN, _Engine
 from .progress import _Progress
 from .results import AsyncResult, IMapIterator, MapResult
 from .tasks import _Fn, _prepare, _Task
@@ -44,7 +46,7 @@ def _check_callbacks(callback: Any, error_callback: Any) -> None:
 
 
 def _feed(
-    engine: _Engine, fn: _Fn, items: Iterator[Any], chunksize: int, result: IMapIterator,
+    engine: Engine, fn: _Fn, items: Iterator[Any], chunksize: int, result: IMapIterator,
     what: str,
 ) -> None:
     """Feeder thread of imap: chunks from ``items`` into the engine, never many ahead."""
@@ -56,7 +58,7 @@ def _feed(
             if not chunk:
                 break
             if not engine.wait_room():
-                raise engine._broken_error(
+                raise engine.broken_error(
                     f"{engine.owner} was terminated before {what}() submitted every item "
                     f"(stopped after {first})"
                 )
@@ -101,11 +103,25 @@ class Pool:
         maxtasksperchild: tasks (calls, or map chunks) a worker runs before it is replaced
             (None: no limit).
         context: a start-method context (tensormp's or the stdlib's; tensormp's of the same
-            start method is used); default: tensormp's default context.
+            start method is used); default: tensormp's default context. The local engine's
+            only.
+        engine: ``"local"`` (worker processes of this machine, arrays as shared memory) or
+            ``"ray"`` (workers are Ray actors on a Ray cluster, arrays travel through Ray's
+            object store; ``pip install 'tensormp[ray]'``). See the README, *Beyond one
+            machine*, for what differs.
+        address: ``engine="ray"``: the cluster's address (``"10.0.0.5:6379"``, ``"auto"``);
+            default: ``$RAY_ADDRESS``, else the cluster this process is connected to, else a
+            local Ray started for this pool and stopped with it.
+        ray_remote_args: ``engine="ray"``: options for each worker actor
+            (``actor.options(**ray_remote_args)``), e.g. ``{"num_cpus": 2}`` or
+            ``{"resources": {...}}``; default ``{"num_cpus": 1}``.
 
     Raises:
-        ValueError: ``processes < 1`` or ``maxtasksperchild`` not a positive int.
+        ValueError: ``processes < 1``, ``maxtasksperchild`` not a positive int, an unknown
+            ``engine``, or ``address``/``ray_remote_args`` with ``engine="local"``.
         TypeError: ``initializer`` is not callable, or ``initargs`` is not a tuple.
+        ImportError: ``engine="ray"`` and Ray is not installed.
+        ConnectionError: ``engine="ray"`` and the cluster at ``address`` cannot be reached.
     """
 
     def __init__(
@@ -115,6 +131,10 @@ class Pool:
         initargs: Iterable[Any] = (),
         maxtasksperchild: int | None = None,
         context: Any = None,
+        *,
+        engine: str = "local",
+        address: str | None = None,
+        ray_remote_args: Mapping[str, Any] | None = None,
     ) -> None:
         from ..context import get_context
 
@@ -140,10 +160,13 @@ class Pool:
             )
         init = None if initializer is None else _prepare(initializer, "initializer").wire
         self._processes = processes
-        self._engine = _Engine(
-            ctx=ctx, processes=processes, initializer=init, initargs=tuple(initargs),
+        config = EngineConfig(
+            processes=processes, initializer=init, initargs=tuple(initargs),
             maxtasks=maxtasksperchild, owner="tensormp.Pool", lost_error=WorkerLostError,
-            broken_error=BrokenPoolError,
+            broken_error=BrokenPoolError, ctx=ctx,
+        )
+        self._engine = create(
+            engine, config, {"address": address, "ray_remote_args": ray_remote_args}
         )
         self._terminate = _mputil.Finalize(self, self._engine.terminate, exitpriority=15)
 
@@ -359,15 +382,15 @@ class Pool:
 
     @property
     def _pool(self) -> list[Any]:
-        """The current worker ``Process`` objects (the stdlib's attribute)."""
-        return [w.process for w in list(self._engine.workers) if not w.gone]
+        """The current worker ``Process`` objects (the stdlib's attribute; the local engine's,
+        Ray's actor handles with ``engine="ray"``)."""
+        return self._engine.worker_processes()
 
     def __repr__(self) -> str:
         engine = self.__dict__.get("_engine")
         if engine is None:
             return f"<tensormp.Pool uninitialised at {id(self):#x}>"
-        pids = [w.pid for w in list(engine.workers) if not w.gone]
         return (
             f"<tensormp.Pool state={engine.state} pool_size={self._processes} "
-            f"start_method={engine.method} pids={pids}>"
+            f"{engine.describe()}>"
         )

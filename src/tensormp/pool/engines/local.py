@@ -1,14 +1,15 @@
-"""The parent's side of a pool: :class:`_Engine` owns the workers, the deque of tasks not yet
-sent, and the *manager thread*; shared by :class:`tensormp.Pool` and
-``tensormp.ProcessPoolExecutor``.
+"""The ``local`` engine: worker processes of this machine (:class:`Engine`, also named
+``_Engine``), each with its own Unix socket; arrays in arguments and results cross as shared
+memory. The engine interface is in ``engines/__init__.py``.
 
-Callers' threads (and imap feeders) touch only the task deque and the state, under ``_lock``,
-and wake the manager through a pipe. The manager thread owns the rest (once the constructor has
-started the first workers): it starts replacement workers, pickles and sends tasks (at most two
-per worker), reads results and runs the result sinks (callbacks included), reaps dead workers,
-fails or requeues their tasks, and at the end stops the workers and closes every fd.
-:class:`_Worker` is its record of one worker. What a worker's death does to its tasks, and who
-frees which shared memory, is in the package's design note (``__init__.py``).
+Callers' threads (and imap feeders) touch only the task deque and the state, under ``_lock``
+(``base.QueueEngine``), and wake the manager through a pipe. The manager thread owns the rest
+(once the constructor has started the first workers): it starts replacement workers, pickles
+and sends tasks (at most two per worker), reads results and runs the result sinks (callbacks
+included), reaps dead workers, fails or requeues their tasks, and at the end stops the workers
+and closes every fd. :class:`_Worker` is its record of one worker. What a worker's death does
+to its tasks, and who frees which shared memory, is in the pool package's design note
+(``pool/__init__.py``).
 """
 
 from __future__ import annotations
@@ -18,19 +19,19 @@ import itertools
 import os
 import select
 import signal
-import sys
-import threading
 import time
 from typing import Any
 
-from .. import reducers
-from ..connection import Pipe
-from ..errors import FdLimitError
-from .errors import BrokenPoolError, WorkerLostError, _signal_name
-from .tasks import _describe, _pickles, _Task
-from .worker import _DYING, _INIT_ERROR, _READY, _RESULT, _RawFd, _worker_main
+from ... import reducers
+from ...connection import Pipe
+from ...errors import FdLimitError
+from ..errors import WorkerLostError, _signal_name
+from ..tasks import _describe, _pickles, _Task
+from ..worker import _DYING, _INIT_ERROR, _READY, _RESULT, _RawFd, _worker_main
+from . import EngineConfig
+from .base import _CLOSE, _TERMINATE, QueueEngine
 
-_RUN, _CLOSE, _TERMINATE = "RUN", "CLOSE", "TERMINATE"  # the engine's states (Pool.join reads them)
+OPTIONS: tuple[str, ...] = ()  # engine-specific keywords (none)
 _WAKE, _CONN, _SENTINEL = 0, 1, 2  # what a polled fd is
 _PREFETCH_MAX_BYTES = 64 << 10  # never queue a bigger message behind a running task
 _TERM_GRACE = 2.0  # seconds from SIGTERM to SIGKILL in terminate()
@@ -64,39 +65,13 @@ class _Worker:
         self.stop_deadline: float | None = None
 
 
-class _Engine:
-    """Workers, the manager thread, and the task deque: shared by Pool and the executor."""
+class Engine(QueueEngine):
+    """Worker processes of this machine, the manager thread, and the task deque."""
 
-    def __init__(
-        self,
-        *,
-        ctx: Any,
-        processes: int,
-        initializer: Any,
-        initargs: tuple[Any, ...],
-        maxtasks: int | None,
-        owner: str,
-        lost_error: type[WorkerLostError],
-        broken_error: type[BrokenPoolError],
-    ) -> None:
-        self.ctx = ctx
-        self.method = ctx.get_start_method()
-        self.processes = processes
-        self.owner = owner
-        self._initializer = initializer
-        self._initargs = tuple(initargs)
-        self._maxtasks = maxtasks
-        self._lost_error = lost_error
-        self._broken_error = broken_error
-        self._lock = threading.Lock()
-        self._room = threading.Condition(self._lock)  # feeders wait here for the deque to drain
-        self._room_limit = 4 * processes + 4
-        self._pending: collections.deque[_Task] = collections.deque()
-        self._state = _RUN
-        self._broken_msg: str | None = None
-        self._broken_cause: BaseException | None = None
-        self._feeders = 0
-        self._seq = itertools.count(1)
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.ctx = config.ctx
+        self.method = self.ctx.get_start_method()
         self._serial = itertools.count(1)
         self.workers: list[_Worker] = []
         self._startup_failures = 0
@@ -107,111 +82,20 @@ class _Engine:
         self._woken = False
         self._register(self._wake_r, _WAKE, None)
         try:
-            for _ in range(processes):
+            for _ in range(self.processes):
                 self._start_worker()
         except BaseException:
             self._state = _TERMINATE
             self._shutdown()
             raise
-        self._thread = threading.Thread(target=self._run, name=f"{owner} manager", daemon=True)
-        self._thread.start()
+        self._start_manager()
 
-    # -- called from any thread -------------------------------------------------------------
-    def broken(self) -> BrokenPoolError:
-        error = self._broken_error(self._broken_msg or f"{self.owner} is broken")
-        error.__cause__ = self._broken_cause
-        return error
+    def describe(self) -> str:
+        pids = [w.pid for w in list(self.workers) if not w.gone]
+        return f"start_method={self.method} pids={pids}"
 
-    def check_running(self) -> None:
-        """Raises: BrokenPoolError (broken), ValueError (closed or terminated, as the stdlib)."""
-        if self._broken_msg is not None:
-            raise self.broken()
-        if self._state != _RUN:
-            raise ValueError(
-                f"Pool not running: this {self.owner} was closed or terminated; create a new one"
-            )
-
-    @property
-    def state(self) -> str:
-        return self._state
-
-    def submit(self, tasks: list[_Task], *, feeder: bool = False) -> None:
-        with self._lock:
-            if self._broken_msg is not None:
-                raise self.broken()
-            if self._state != _RUN and not (feeder and self._state == _CLOSE):
-                raise ValueError(
-                    f"Pool not running: this {self.owner} was closed or terminated; "
-                    "create a new one"
-                )
-            for task in tasks:
-                task.seq = next(self._seq)
-            self._pending.extend(tasks)
-            self._wake_locked()
-
-    def feeder_started(self) -> None:
-        """Raises: as :meth:`check_running` (checked under the lock, so the manager cannot
-        finish a close() between the check and the feeder's first task)."""
-        with self._lock:
-            if self._broken_msg is not None:
-                raise self.broken()
-            if self._state != _RUN:
-                raise ValueError(
-                    f"Pool not running: this {self.owner} was closed or terminated; "
-                    "create a new one"
-                )
-            self._feeders += 1
-
-    def feeder_done(self) -> None:
-        with self._lock:
-            self._feeders -= 1
-            self._wake_locked()
-
-    def wait_room(self) -> bool:
-        """A feeder waits until few tasks are queued; False when the pool was terminated."""
-        with self._room:
-            while (
-                len(self._pending) >= self._room_limit
-                and self._state != _TERMINATE
-                and self._broken_msg is None
-            ):
-                self._room.wait()
-            return self._state != _TERMINATE
-
-    def take_pending(self) -> list[_Task]:
-        """Remove and return every task not sent yet (``shutdown(cancel_futures=True)``)."""
-        with self._lock:
-            tasks = self._pop_pending_locked()
-        for task in tasks:
-            _abandon(task)
-        return tasks
-
-    def _pop_pending_locked(self) -> list[_Task]:
-        tasks = list(self._pending)
-        self._pending.clear()
-        self._room.notify_all()
-        return tasks
-
-    def close(self) -> None:
-        with self._lock:
-            if self._state == _RUN:
-                self._state = _CLOSE
-                self._wake_locked()
-
-    def terminate(self) -> None:
-        """Stop the workers now; unfinished tasks fail. Waits for it unless called from the
-        manager thread itself (a callback)."""
-        with self._lock:
-            if self._state != _TERMINATE:
-                self._state = _TERMINATE
-                self._wake_locked()
-                self._room.notify_all()
-        if threading.current_thread() is not self._thread and self._thread.is_alive():
-            self._thread.join()
-
-    def join(self) -> None:
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
+    def worker_processes(self) -> list[Any]:
+        return [w.process for w in list(self.workers) if not w.gone]
 
     def _wake_locked(self) -> None:
         if not self._woken and self._wake_w >= 0:
@@ -232,25 +116,6 @@ class _Engine:
                 self._poller.unregister(fd)
             except (KeyError, ValueError):
                 pass
-
-    def _run(self) -> None:
-        try:
-            while self._step():
-                pass
-        except BaseException as e:  # noqa: BLE001 - a bug here must not hang the callers
-            import traceback
-
-            print(f"{self.owner}: internal error in the manager thread:", file=sys.stderr)
-            traceback.print_exception(type(e), e, e.__traceback__)
-            self._break(
-                f"{self.owner}: internal error in its manager thread ({type(e).__name__}: "
-                f"{e}); this is a bug in tensormp, please report it",
-                e,
-            )
-            with self._lock:
-                self._state = _TERMINATE
-        finally:
-            self._shutdown()
 
     def _step(self) -> bool:
         with self._lock:
@@ -596,33 +461,9 @@ class _Engine:
             w.retiring = True  # it exits after this task: start its successor now
             self._replenish()
 
-    def _deliver(self, task: _Task, ok: bool, value: Any) -> None:
-        task.msg = None  # the argument blocks can be recycled once the worker released them
-        task.args = None
-        try:
-            task.sink(ok, value)
-        except BaseException as e:  # noqa: BLE001 - a user callback raised
-            import traceback
-
-            print(f"{self.owner}: exception in a result callback (ignored):", file=sys.stderr)
-            traceback.print_exception(type(e), e, e.__traceback__)
-
-    def _break(self, msg: str, cause: BaseException | None) -> None:
-        with self._lock:
-            if self._broken_msg is not None:
-                return
-            self._broken_msg = msg
-            self._broken_cause = cause
-            tasks = self._pop_pending_locked()
-        for task in tasks:
-            _abandon(task)
-            self._deliver(task, False, self.broken())
-
     def _closing_done(self) -> bool:
         """close(): once every task is done, stop the workers; True when all have exited."""
-        with self._lock:
-            busy = bool(self._pending) or self._feeders > 0
-        if busy or any(w.outstanding for w in self.workers):
+        if self._has_work() or any(w.outstanding for w in self.workers):
             return False
         for w in self.workers:
             if not w.stopping and not w.eof:
@@ -663,26 +504,14 @@ class _Engine:
             unfinished.extend(w.outstanding)
             w.outstanding.clear()
             self._forget(w)
-        with self._lock:
-            unfinished.extend(self._pending)
-            self._pending.clear()
-            self._room.notify_all()
-        for task in unfinished:
-            if task.msg is not None:
-                task.msg.abandon()  # no-op for messages already sent
-            error = self._broken_error(
-                f"{self.owner} was terminated (terminate(), shutdown, or the end of its `with` "
-                f"block) before {_describe(task.label)} finished"
-            )
-            self._deliver(task, False, error)
+        self._fail_unfinished(unfinished)
         with self._lock:
             self._unregister(self._wake_r)
             for fd in (self._wake_r, self._wake_w):
                 if fd >= 0:
                     os.close(fd)
             self._wake_r = self._wake_w = -1
-            if self._state != _TERMINATE:
-                self._state = _TERMINATE if self._state == _RUN else self._state
+        self._end_state()
 
 
 def _exit_text(code: int) -> str:
@@ -691,8 +520,4 @@ def _exit_text(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _abandon(task: _Task) -> None:
-    """A task that will never be sent gives back what pickling it reserved."""
-    if task.msg is not None:
-        task.msg.abandon()
-        task.msg = None
+_Engine = Engine  # the name tensormp.pool re-exported before engines existed

@@ -1,0 +1,404 @@
+"""``Pool(engine="ray")`` and ``ProcessPoolExecutor(engine="ray")`` on a real two-node Ray
+cluster (two raylets of one CPU each, ``ray.cluster_utils.Cluster``), on this machine.
+
+Ray picks the machine's external address even when told 127.0.0.1, so the cluster runs inside a
+private network namespace where only loopback exists: the one test of this module that runs in
+the ordinary suite re-executes pytest on this file under ``unshare -n`` (root), with
+``TENSORMP_RAY_NETNS=1``; that inner run holds the cluster tests (one cluster for all of them).
+The outer test fails when an inner test failed, and when any process is left in the namespace
+afterwards (Ray's daemons, an actor). Where the namespace cannot be made (not root, no
+``unshare``), it skips and says why. Tests that need no cluster run in the ordinary suite.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import tensormp
+
+IN_NETNS = os.environ.get("TENSORMP_RAY_NETNS") == "1"
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'tensormp[ray]')")
+
+
+def _netns_inodes() -> dict[int, str]:
+    out = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                out[int(name)] = os.readlink(f"/proc/{name}/ns/net")
+            except OSError:
+                pass
+    return out
+
+
+def _cannot_unshare() -> str | None:
+    if os.geteuid() != 0:
+        return "the Ray cluster tests need root (unshare -n: a private network namespace)"
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return "the Ray cluster tests need the unshare and ip commands"
+    probe = subprocess.run(
+        ["unshare", "-n", "ip", "link", "set", "lo", "up"], capture_output=True, text=True
+    )
+    if probe.returncode != 0:
+        return f"cannot make a private network namespace here: {probe.stderr.strip()}"
+    return None
+
+
+# -- in the ordinary suite -------------------------------------------------------------------
+if not IN_NETNS:
+
+    @pytest.mark.timeout(300)
+    def test_ray_cluster_cases_in_a_private_network_namespace():
+        reason = _cannot_unshare()
+        if reason:
+            pytest.skip(reason)
+        env = dict(os.environ, TENSORMP_RAY_NETNS="1", PYTHONPATH=HERE)
+        env.pop("RAY_ADDRESS", None)
+        script = 'ip link set lo up && readlink /proc/self/ns/net && exec "$@"'
+        cmd = [
+            "unshare", "-n", "sh", "-c", script, "sh", sys.executable, "-m", "pytest",
+            os.path.abspath(__file__), "-q", "-rA", "-p", "no:cacheprovider",
+            "-o", "addopts=-m 'not slow'",
+        ]
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280
+        )
+        out = proc.stdout + proc.stderr
+        print(out[-6000:])
+        netns = proc.stdout.splitlines()[0].strip() if proc.stdout else ""
+        assert proc.returncode == 0, f"Ray cluster tests failed (rc {proc.returncode}):\n{out[-8000:]}"
+        assert netns.startswith("net:["), out[:2000]
+        deadline = time.monotonic() + 10
+        while True:
+            left = [pid for pid, ns in _netns_inodes().items() if ns == netns]
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        assert not left, f"processes left in the Ray tests' network namespace: {left}"
+
+    def _run_python(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+            timeout=timeout, cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+        )
+
+    def test_unreachable_address_is_a_connection_error_naming_it():
+        t0 = time.monotonic()
+        proc = _run_python("""
+            import tensormp
+            for make in (tensormp.Pool, tensormp.ProcessPoolExecutor):
+                try:
+                    make(1, engine="ray", address="127.0.0.1:1")
+                except ConnectionError as e:
+                    print("ERR", e)
+                else:
+                    print("NO ERROR")
+        """)
+        took = time.monotonic() - t0
+        assert proc.returncode == 0, proc.stderr
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("ERR")]
+        assert len(lines) == 2, proc.stdout + proc.stderr
+        for line in lines:
+            assert "'127.0.0.1:1'" in line and "ray start --head" in line
+        assert took < 30  # Ray itself retries for minutes
+
+    def test_missing_ray_names_the_extra():
+        proc = _run_python("""
+            import sys
+            sys.modules["ray"] = None  # as if Ray were not installed
+            import tensormp
+            try:
+                tensormp.Pool(1, engine="ray")
+            except ImportError as e:
+                print(e)
+        """)
+        assert "pip install 'tensormp[ray]'" in proc.stdout, proc.stdout + proc.stderr
+
+    def test_engine_arguments_are_checked():
+        with pytest.raises(ValueError, match="unknown engine='dask'"):
+            tensormp.Pool(1, engine="dask")
+        with pytest.raises(ValueError, match="address= is an option of engine='ray'"):
+            tensormp.Pool(1, address="127.0.0.1:6379")
+        with pytest.raises(ValueError, match="ray_remote_args= is an option of engine='ray'"):
+            tensormp.ProcessPoolExecutor(1, ray_remote_args={"num_cpus": 1})
+
+
+# -- inside the private network namespace ----------------------------------------------------
+if IN_NETNS:
+    from ray.cluster_utils import Cluster
+
+    STORE = 200 << 20  # bytes of object store per node (the machine is shared)
+
+    @pytest.fixture(scope="module")
+    def cluster():
+        c = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 1, "object_store_memory": STORE, "include_dashboard": False},
+        )
+        try:
+            c.add_node(num_cpus=1, object_store_memory=STORE)
+            c.wait_for_nodes()
+            yield c
+        finally:
+            if ray.is_initialized():
+                ray.shutdown()
+            c.shutdown()
+
+    @pytest.fixture
+    def no_leaks(cluster):
+        """Ray's daemons live for the module; what a test must not leave is a worker actor."""
+        yield
+        deadline = time.monotonic() + 10
+        while _our_actors() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _our_actors(), f"worker actors left running: {_our_actors()}"
+
+    def _our_actors() -> list[int]:
+        import psutil
+
+        found = []
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            cmd = " ".join(p.info["cmdline"] or [])
+            if "_RayWorker" in cmd:
+                found.append(p.info["pid"])
+        return found
+
+    def where(x):
+        import ray
+
+        return x * 10, ray.get_runtime_context().get_node_id(), os.getpid()
+
+    def slow_where(x):
+        time.sleep(0.2)
+        return where(x)
+
+    def double(a):
+        return a * 2
+
+    def add(a, b):
+        return a + b
+
+    def fails(x):
+        raise KeyError(f"bad item {x}")
+
+    def report_and_sleep(path, seconds):
+        with open(path, "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(seconds)
+        return "finished"
+
+    def hard_exit(code):
+        if code:
+            os._exit(code)
+        return code
+
+    def calls_sys_exit():
+        sys.exit(3)
+
+    _STATE: dict = {}
+
+    def init_state(tag, array):
+        _STATE["tag"] = tag
+        _STATE["total"] = float(array.sum())
+        _STATE["pid"] = os.getpid()
+        _STATE["calls"] = 0
+
+    def read_state(_):
+        _STATE["calls"] += 1
+        return _STATE["tag"], _STATE["total"], _STATE["pid"], _STATE["calls"], os.getpid()
+
+    def broken_init():
+        raise RuntimeError("no licence server")
+
+    def _wait_pid(path: str, timeout: float = 30.0) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with open(path) as f:
+                    text = f.read()
+                if text:
+                    return int(text)
+            except OSError:
+                pass
+            time.sleep(0.02)
+        raise AssertionError("the task never started")
+
+    def test_every_method_on_both_nodes(cluster):
+        done: list = []
+        seen: list = []
+        with tensormp.Pool(2, engine="ray", address=cluster.address) as pool:
+            out = pool.map(slow_where, range(12), chunksize=1)
+            assert [o[0] for o in out] == [x * 10 for x in range(12)]
+            nodes = {o[1] for o in out}
+            assert nodes == {n["NodeID"] for n in ray.nodes() if n["Alive"]}, "one node idle"
+            assert len({o[2] for o in out}) == 2
+            assert pool.apply(add, (2, 3)) == 5
+            assert pool.apply(add, (), {"a": 1, "b": 2}) == 3
+            r = pool.apply_async(add, (4, 5), callback=done.append)
+            assert r.get(30) == 9
+            e = pool.apply_async(fails, (7,), error_callback=done.append)
+            with pytest.raises(KeyError, match="bad item 7") as info:
+                e.get(30)
+            assert "RemoteTraceback" in type(info.value.__cause__).__name__
+            assert pool.starmap(add, [(i, i) for i in range(9)], chunksize=4) == [
+                2 * i for i in range(9)
+            ]
+            m = pool.starmap_async(add, [(1, 2)] * 5, chunksize=2, callback=done.append)
+            assert m.get(30) == [3] * 5
+            assert pool.map_async(double, [], callback=done.append).get(30) == []
+            assert done[0] == 9 and isinstance(done[1], KeyError) and done[2] == [3] * 5
+            assert done[3] == []
+            offset = 100  # lambdas and closures go by value
+            assert pool.map(lambda x: x + offset, range(5)) == [100, 101, 102, 103, 104]
+            progress: list = []
+            assert pool.map(double, range(20), chunksize=3, progress=lambda d, t: progress.append((d, t))) == [
+                2 * x for x in range(20)
+            ]
+            assert progress[0] == (0, 20) and progress[-1] == (20, 20)
+
+            pulled: list = []
+
+            def items():
+                for i in range(10_000):
+                    pulled.append(i)
+                    yield i
+
+            it = pool.imap(slow_where, items())  # 0.2 s a task: about 10 done a second
+            assert [next(it)[0] for _ in range(3)] == [0, 10, 20]
+            time.sleep(1.0)
+            # read as the workers take items: done + a queue of 4 per worker + 4 + prefetch
+            assert len(pulled) < 60, f"imap read {len(pulled)} items ahead: not lazy"
+            pool.terminate()  # the rest of the generator is never read
+        with tensormp.Pool(2, engine="ray", address=cluster.address) as pool:
+            unordered = pool.imap_unordered(slow_where, range(8), progress=lambda d, t: seen.append(d))
+            assert sorted(o[0] for o in unordered) == [x * 10 for x in range(8)]
+            assert seen[-1] == 8
+            assert "engine=ray" in repr(pool)
+            pool.close()
+            pool.join()
+        with pytest.raises(ValueError, match="Pool not running"):
+            pool.apply(add, (1, 1))
+
+    def test_arrays_through_the_object_store(cluster):
+        arrays = [np.full(1 << 18, i, dtype=np.float32) for i in range(8)]  # 1 MiB each
+        shared = tensormp.ones((64, 64), dtype=np.float64)
+        with tensormp.Pool(2, engine="ray", address=cluster.address) as pool:
+            out = pool.map(double, arrays, chunksize=1)
+            for i, o in enumerate(out):
+                assert o.dtype == np.float32 and o.shape == (1 << 18,)
+                assert o[0] == 2 * i and o[-1] == 2 * i
+            assert not out[0].flags.writeable  # Ray's zero-copy numpy: read-only (README)
+            assert np.array(out[0]).flags.writeable
+            total = pool.apply(np.sum, (shared,))
+            assert total == 64 * 64
+            views = pool.map(double, [shared[::2, 1:3], shared.T])
+            assert views[0].shape == (32, 2) and views[1].shape == (64, 64)
+            assert (views[0] == 2).all()
+
+    def test_killed_worker_is_reported_and_replaced(cluster, tmp_path):
+        with tensormp.Pool(2, engine="ray", address=cluster.address) as pool:
+            nodes_of = {o[2]: o[1] for o in pool.map(slow_where, range(4), chunksize=1)}
+            path = str(tmp_path / "pid")
+            result = pool.apply_async(report_and_sleep, (path, 60))
+            queued = [pool.apply_async(add, (i, 1)) for i in range(4)]
+            pid = _wait_pid(path)
+            t0 = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            with pytest.raises(tensormp.WorkerLostError) as info:
+                result.get(30)
+            assert time.monotonic() - t0 < 10
+            error = info.value
+            assert error.pid == pid and error.node == "127.0.0.1"
+            assert f"(pid {pid})" in str(error) and "report_and_sleep" in str(error)
+            assert nodes_of[pid][:12] in str(error)  # the node's id
+            assert "apply_async(report_and_sleep" in error.task
+            assert [q.get(30) for q in queued] == [1, 2, 3, 4]
+            # os._exit in a task, and sys.exit: the same error; the pool goes on
+            with pytest.raises(tensormp.WorkerLostError, match=r"map\(hard_exit\) chunk 2 of 3"):
+                pool.map(hard_exit, [0, 5, 0], chunksize=1)
+            with pytest.raises(tensormp.WorkerLostError, match="SystemExit: 3") as info:
+                pool.apply(calls_sys_exit)
+            assert "SystemExit" in str(info.value.__cause__)
+            out = pool.map(slow_where, range(8), chunksize=1)
+            assert [o[0] for o in out] == [x * 10 for x in range(8)]
+            assert len({o[1] for o in out}) == 2, "the replacements did not spread over both nodes"
+            assert pid not in {o[2] for o in out}
+
+    def test_initializer_globals_persist_and_maxtasksperchild(cluster):
+        weights = np.arange(10, dtype=np.float64)
+        with tensormp.Pool(
+            2, init_state, ("v1", weights), maxtasksperchild=3, engine="ray",
+            address=cluster.address,
+        ) as pool:
+            out = pool.map(read_state, range(18), chunksize=1)
+        for tag, total, init_pid, calls, pid in out:
+            assert (tag, total) == ("v1", 45.0)
+            assert init_pid == pid  # the initializer ran in the process that runs the tasks
+            assert 1 <= calls <= 3
+        per_worker: dict = {}
+        for *_, calls, pid in out:
+            per_worker.setdefault(pid, []).append(calls)
+        assert len(per_worker) >= 6  # 18 tasks, 3 per worker
+        for calls in per_worker.values():
+            assert sorted(calls) == list(range(1, len(calls) + 1))
+
+    def test_initializer_error_breaks_the_pool(cluster):
+        pool = tensormp.Pool(1, broken_init, engine="ray", address=cluster.address)
+        try:
+            with pytest.raises(tensormp.BrokenPoolError, match="no licence server") as info:
+                pool.apply(add, (1, 2))
+            assert isinstance(info.value.__cause__, RuntimeError)
+            with pytest.raises(tensormp.BrokenPoolError):
+                pool.map(double, [1])
+        finally:
+            pool.terminate()
+
+    def test_executor_on_ray(cluster, tmp_path):
+        # no address: the cluster this process is connected to (the pools above connected it)
+        if not ray.is_initialized():
+            ray.init(address=cluster.address)
+        with tensormp.ProcessPoolExecutor(2, engine="ray") as ex:
+            assert ex.submit(add, 1, 2).result(30) == 3
+            assert list(ex.map(add, range(5), range(5), chunksize=2)) == [0, 2, 4, 6, 8]
+            path = str(tmp_path / "pid")
+            future = ex.submit(report_and_sleep, path, 60)
+            pid = _wait_pid(path)
+            os.kill(pid, signal.SIGKILL)
+            with pytest.raises(tensormp.TerminatedWorkerError, match=f"pid {pid}"):
+                future.result(30)
+            assert ex.submit(add, 2, 2).result(30) == 4
+            assert "engine=ray" in repr(ex)
+        assert ray.is_initialized()  # a connection the caller made is left alone
+
+    def test_terminate_fails_unfinished_and_stops_the_actors(cluster):
+        pool = tensormp.Pool(2, engine="ray", address=cluster.address)
+        results = [pool.apply_async(time.sleep, (30,)) for _ in range(4)]
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        stopper = threading.Thread(target=pool.terminate)
+        stopper.start()
+        stopper.join(30)
+        assert not stopper.is_alive() and time.monotonic() - t0 < 15
+        for r in results:
+            with pytest.raises(tensormp.BrokenPoolError, match="terminated"):
+                r.get(5)
+        pool.join()
