@@ -349,7 +349,7 @@ if IN_NETNS:
             2, init_state, ("v1", weights), maxtasksperchild=3, engine="ray",
             address=cluster.address,
         ) as pool:
-            out = pool.map(read_state, range(18), chunksize=1)
+            out = pool.map(read_state, range(12), chunksize=1)
         for tag, total, init_pid, calls, pid in out:
             assert (tag, total) == ("v1", 45.0)
             assert init_pid == pid  # the initializer ran in the process that runs the tasks
@@ -357,7 +357,7 @@ if IN_NETNS:
         per_worker: dict = {}
         for *_, calls, pid in out:
             per_worker.setdefault(pid, []).append(calls)
-        assert len(per_worker) >= 6  # 18 tasks, 3 per worker
+        assert len(per_worker) >= 4  # 12 tasks, at most 3 per worker
         for calls in per_worker.values():
             assert sorted(calls) == list(range(1, len(calls) + 1))
 

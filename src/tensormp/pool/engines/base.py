@@ -18,7 +18,7 @@ import threading
 from typing import Any
 
 from ..errors import BrokenPoolError, WorkerLostError
-from ..tasks import _Task
+from ..tasks import _describe, _Task
 from . import EngineConfig
 
 _RUN, _CLOSE, _TERMINATE = "RUN", "CLOSE", "TERMINATE"  # the engine's states
@@ -241,8 +241,6 @@ class QueueEngine:
 
 
 def _describe_task(task: _Task) -> str:
-    from ..tasks import _describe
-
     return _describe(task.label)
 
 

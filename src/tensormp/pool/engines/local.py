@@ -444,7 +444,7 @@ class Engine(QueueEngine):
             # The worker holds one handle to each of our blocks in the message (it sends no
             # hold records for them: see worker._worker_main). Registered before it can release
             # them; if it dies holding them, our liveness check frees them (as Process arguments).
-            from ..memory.allocator import register_holder
+            from ...memory.allocator import register_holder
 
             register_holder(w.pid, msg.noted)
         try:

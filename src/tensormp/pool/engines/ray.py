@@ -15,7 +15,9 @@ workers itself, so that a task is never run twice behind the caller's back.
 **Tasks.** The manager thread (``base.QueueEngine``) calls ``actor.run.remote(fn, kind,
 args)`` for a task and turns the ``ObjectRef`` into a ``concurrent.futures.Future`` whose
 completion puts an event on the manager's queue; callers' threads wake it the same way. A worker
-holds at most two tasks (the one it runs and the next), as the local engine. An actor runs its
+holds at most four tasks (the one it runs and, while more tasks wait than there are workers, the
+next three: a Ray call's round trip is about 1 ms, so a worker needs more queued than a local
+one to stay busy on small tasks). An actor runs its
 calls one at a time in the order sent (one thread for the default concurrency group), so the
 oldest task outstanding on a worker is the one it runs. ``run`` returns ``(True, value)``,
 ``(False, exception)`` (wrapped with its traceback as ``multiprocessing.pool`` does: the caller
@@ -78,6 +80,7 @@ _PROBE_TIMEOUT = 5.0  # seconds to reach the cluster's address before Connection
 _SETTLE_TIMEOUT = 5.0  # seconds a dead actor's task futures get to settle
 _STOP_TIMEOUT = 10.0  # seconds for the actors to be gone at close/terminate
 _MAX_STARTUP_FAILURES = 3
+_MAX_IN_FLIGHT = 4  # tasks sent to one actor and not answered (1 running + 3 queued there)
 _WATCH_GROUP = "tensormp-watch"
 
 
@@ -497,18 +500,18 @@ class Engine(QueueEngine):
                 npending = len(self._pending)
             if not npending:
                 return
-            idle = busy = None
+            target = None
             nready = 0
             for w in self.workers:
                 if not w.ready or w.gone or w.stopping or w.retiring:
                     continue
                 nready += 1
-                if not w.outstanding:
-                    idle = w
-                    break
-                if busy is None and len(w.outstanding) == 1:
-                    busy = w
-            if idle is None and (busy is None or npending < nready):
+                if target is None or len(w.outstanding) < len(target.outstanding):
+                    target = w
+            if target is None:
+                return
+            depth = len(target.outstanding)
+            if depth and (depth >= _MAX_IN_FLIGHT or npending < nready):
                 return
             with self._lock:
                 if not self._pending:
@@ -519,7 +522,7 @@ class Engine(QueueEngine):
                 start, task.start = task.start, None
                 if not start():  # cancelled while it waited
                     continue
-            self._send(idle if idle is not None else busy, task)  # type: ignore[arg-type]
+            self._send(target, task)
 
     def _send(self, w: _Actor, task: _Task) -> None:
         try:
