@@ -38,17 +38,12 @@ from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import util as _mputil
 from typing import Any
 
-from .pool import (
-    _CALL,
-    _STARMAP,
-    BrokenPoolError,
-    WorkerLostError,
-    _cpu_count,
-    _prepare,
-    _Progress,
-    _Task,
-)
 from .pool.engines import Engine, EngineConfig, create
+from .pool.errors import BrokenPoolError, WorkerLostError
+from .pool.pool import _cpu_count
+from .pool.progress import _Progress
+from .pool.tasks import _prepare, _Task
+from .pool.worker import _CALL, _STARMAP
 
 __all__ = ["ProcessPoolExecutor", "TerminatedWorkerError", "BrokenExecutorError"]
 

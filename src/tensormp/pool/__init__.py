@@ -3,6 +3,10 @@ shared memory, dead workers reported instead of hangs, and progress bars.
 
 Design note
 -----------
+The front end (``pool.py``, and ``tensormp.futures``) runs on an *engine* behind the interface
+written at the top of ``engines/__init__.py``: ``local`` (below) or ``ray`` (workers are Ray
+actors; its note is at the top of ``engines/ray.py``). What follows is the local engine.
+
 **Channels.** Each worker has its own duplex tensormp ``Connection`` (a Unix socket pair that
 carries fds). There is no task queue shared by the workers and no lock shared between
 processes, so a worker killed at any instant cannot wedge the others (in the stdlib, a worker
@@ -89,9 +93,9 @@ This package imports nothing heavy: a worker imports numpy only if its tasks car
 
 from __future__ import annotations
 
-# Also imported from here: the private names tensormp.futures uses (_CALL, _STARMAP,
-# _Task, _prepare, _Progress, _cpu_count), and the worker's functions that pickles made before
-# the split name at this path (_worker_main, _rebuild_raw_fd).
+# Also importable from here, as before the package split: private names older code used
+# (_CALL, _STARMAP, _Engine, _Task, _prepare, _Progress, _cpu_count), and the worker's functions
+# that pickles made before the split name at this path (_worker_main, _rebuild_raw_fd).
 from .engines.local import _Engine  # noqa: F401
 from .errors import BrokenPoolError, WorkerLostError
 from .pool import Pool, _cpu_count  # noqa: F401
