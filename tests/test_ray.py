@@ -375,7 +375,8 @@ if IN_NETNS:
         # no address: the cluster this process is connected to (the pools above connected it)
         if not ray.is_initialized():
             ray.init(address=cluster.address)
-        with tensormp.ProcessPoolExecutor(2, engine="ray") as ex:
+        with tensormp.ProcessPoolExecutor(engine="ray") as ex:  # as many workers as CPUs
+            assert "max_workers=2 " in repr(ex)
             assert ex.submit(add, 1, 2).result(30) == 3
             assert list(ex.map(add, range(5), range(5), chunksize=2)) == [0, 2, 4, 6, 8]
             path = str(tmp_path / "pid")

@@ -91,7 +91,8 @@ class ProcessPoolExecutor(Executor):
     lambdas).
 
     Args:
-        max_workers: number of worker processes (default: the CPUs this process may run on).
+        max_workers: number of worker processes (default: the CPUs this process may run on;
+            with ``engine="ray"``, the cluster's CPUs divided by each worker's ``num_cpus``).
         mp_context: a start-method context (tensormp's or the stdlib's; tensormp's of the same
             start method is used); default: tensormp's default context.
         initializer: called as ``initializer(*initargs)`` in each worker when it starts.
@@ -123,11 +124,13 @@ class ProcessPoolExecutor(Executor):
         from .context import get_context
 
         ctx = get_context(None if mp_context is None else mp_context.get_start_method())
-        if max_workers is None:
+        if max_workers is None and engine == "local":
             max_workers = _cpu_count()
-        if isinstance(max_workers, bool) or not isinstance(max_workers, int):
+        if max_workers is not None and (
+            isinstance(max_workers, bool) or not isinstance(max_workers, int)
+        ):
             raise TypeError(f"max_workers must be an int or None, got {type(max_workers).__name__}")
-        if max_workers <= 0:
+        if max_workers is not None and max_workers <= 0:
             raise ValueError(f"max_workers must be greater than 0, got {max_workers}")
         if max_tasks_per_child is not None and (
             isinstance(max_tasks_per_child, bool)
@@ -143,7 +146,6 @@ class ProcessPoolExecutor(Executor):
                 "write initargs=(x,)"
             )
         init = None if initializer is None else _prepare(initializer, "initializer").wire
-        self._max_workers = max_workers
         self._shutdown_lock = threading.Lock()
         self._shutdown_thread = False
         config = EngineConfig(
@@ -154,6 +156,7 @@ class ProcessPoolExecutor(Executor):
         self._engine = create(
             engine, config, {"address": address, "ray_remote_args": ray_remote_args}
         )
+        self._max_workers = self._engine.processes
         _mputil.Finalize(self, _close_at_gc, (self._engine,), exitpriority=10)
 
     def _check(self) -> None:

@@ -97,7 +97,8 @@ class Pool:
     * workers ignore SIGINT: a Ctrl-C interrupts the parent, which stops the workers.
 
     Args:
-        processes: number of workers (default: the CPUs this process may run on).
+        processes: number of workers (default: the CPUs this process may run on; with
+            ``engine="ray"``, the cluster's CPUs divided by each worker's ``num_cpus``).
         initializer: called as ``initializer(*initargs)`` in each worker when it starts.
         initargs: arguments for ``initializer``; arrays arrive as shared memory.
         maxtasksperchild: tasks (calls, or map chunks) a worker runs before it is replaced
@@ -139,11 +140,11 @@ class Pool:
         from ..context import get_context
 
         ctx = get_context(None if context is None else context.get_start_method())
-        if processes is None:
+        if processes is None and engine == "local":
             processes = _cpu_count()
-        if isinstance(processes, bool) or not isinstance(processes, int):
+        if processes is not None and (isinstance(processes, bool) or not isinstance(processes, int)):
             raise TypeError(f"processes must be an int or None, got {type(processes).__name__}")
-        if processes < 1:
+        if processes is not None and processes < 1:
             raise ValueError(f"Number of processes must be at least 1, got {processes}")
         if maxtasksperchild is not None and (
             isinstance(maxtasksperchild, bool)
@@ -159,7 +160,6 @@ class Pool:
                 "write initargs=(x,)"
             )
         init = None if initializer is None else _prepare(initializer, "initializer").wire
-        self._processes = processes
         config = EngineConfig(
             processes=processes, initializer=init, initargs=tuple(initargs),
             maxtasks=maxtasksperchild, owner="tensormp.Pool", lost_error=WorkerLostError,
@@ -168,6 +168,7 @@ class Pool:
         self._engine = create(
             engine, config, {"address": address, "ray_remote_args": ray_remote_args}
         )
+        self._processes = self._engine.processes
         self._terminate = _mputil.Finalize(self, self._engine.terminate, exitpriority=15)
 
     # -- single calls -----------------------------------------------------------------------

@@ -32,7 +32,7 @@ running).
   ``check_running()`` raises what a new call should see (``broken_error`` when broken,
   ``ValueError`` when closed); ``is_broken`` and ``broken()`` (the error to raise) tell a broken
   engine apart; ``broken_error(msg)`` makes the front end's error for the engine's type.
-* **Introspection.** ``describe()`` for reprs (``start_method=spawn pids=[...]``),
+* **Introspection.** ``processes``: the number of workers; ``describe()`` for reprs (``start_method=spawn pids=[...]``),
   ``worker_processes()`` for ``Pool._pool``.
 * **Death.** A worker that dies fails only the task it was running, with ``config.lost_error``
   naming the worker (pid, node where there are several), how it died and the task; the engine
@@ -73,7 +73,8 @@ class EngineConfig:
     """What every engine gets from the front end.
 
     Attributes:
-        processes: number of workers (>= 1).
+        processes: number of workers (>= 1); None: the engine's default (the CPUs of this
+            machine, or of the cluster). Read the engine's ``processes`` for the number.
         initializer: the initializer as it travels (a callable or a ``_child.FnByValue``), or
             None.
         initargs: its arguments.
@@ -84,7 +85,7 @@ class EngineConfig:
         ctx: the start-method context (the local engine's; others ignore it).
     """
 
-    processes: int
+    processes: int | None
     initializer: Any
     initargs: tuple[Any, ...]
     maxtasks: int | None

@@ -12,6 +12,7 @@ bug in ``_step`` breaks the engine with a message saying so instead of hanging i
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import sys
 import threading
@@ -28,7 +29,12 @@ class QueueEngine:
     """The task deque, the state, and the manager thread's frame (see the module notes)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.processes = config.processes
+        if config.processes is None:
+            from ..pool import _cpu_count
+
+            config = dataclasses.replace(config, processes=_cpu_count())
+        assert config.processes is not None
+        self.processes: int = config.processes
         self.owner = config.owner
         self._initializer = config.initializer
         self._initargs = tuple(config.initargs)
@@ -37,7 +43,7 @@ class QueueEngine:
         self._broken_error: type[BrokenPoolError] = config.broken_error
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # feeders wait here for the deque to drain
-        self._room_limit = 4 * config.processes + 4
+        self._room_limit = 4 * self.processes + 4
         self._pending: collections.deque[_Task] = collections.deque()
         self._state = _RUN
         self._broken_msg: str | None = None

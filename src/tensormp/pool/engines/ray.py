@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import itertools
 import os
 import queue
@@ -257,10 +258,9 @@ class Engine(QueueEngine):
         address: str | None = None,
         ray_remote_args: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(config)
         if ray_remote_args is not None and not isinstance(ray_remote_args, Mapping):
             raise TypeError(
-                f"{self.owner}: ray_remote_args must be a dict of actor options, got "
+                f"{config.owner}: ray_remote_args must be a dict of actor options, got "
                 f"{type(ray_remote_args).__name__}"
             )
         options: dict[str, Any] = {"num_cpus": 1}
@@ -268,8 +268,13 @@ class Engine(QueueEngine):
         groups = dict(options.pop("concurrency_groups", None) or {})
         groups[_WATCH_GROUP] = 1
         options.update(max_restarts=0, max_task_retries=0)
-        self._ray, self._owns_connection, self.address = _connect(address, self.owner)
+        self._ray, self._owns_connection, self.address = _connect(address, config.owner)
         try:
+            if config.processes is None:  # as many workers as the cluster has CPUs for
+                cpus = float(self._ray.cluster_resources().get("CPU", 1))
+                per = float(options.get("num_cpus") or 1)
+                config = dataclasses.replace(config, processes=max(1, int(cpus // per)))
+            super().__init__(config)
             # concurrency_groups is a ray.remote() argument only (.options() refuses it)
             self._actor_class = self._ray.remote(concurrency_groups=groups)(_RayWorker).options(
                 **options
