@@ -98,7 +98,7 @@ class ProcessPoolExecutor(Executor):
         initializer: called as ``initializer(*initargs)`` in each worker when it starts.
         initargs: arguments for ``initializer``; arrays arrive as shared memory.
         max_tasks_per_child: calls (or ``map`` chunks) a worker runs before it is replaced.
-        engine, address, ray_remote_args: as :class:`tensormp.Pool` (``engine="ray"`` runs the
+        engine, address, ray_remote_args, engine_options: as :class:`tensormp.Pool` (``engine="ray"`` runs the
             workers as Ray actors on a Ray cluster).
 
     Raises:
@@ -120,6 +120,7 @@ class ProcessPoolExecutor(Executor):
         engine: str = "local",
         address: str | None = None,
         ray_remote_args: Mapping[str, Any] | None = None,
+        engine_options: Mapping[str, Any] | None = None,
     ) -> None:
         from .context import get_context
 
@@ -154,7 +155,8 @@ class ProcessPoolExecutor(Executor):
             lost_error=TerminatedWorkerError, broken_error=BrokenExecutorError, ctx=ctx,
         )
         self._engine = create(
-            engine, config, {"address": address, "ray_remote_args": ray_remote_args}
+            engine, config,
+            {"address": address, "ray_remote_args": ray_remote_args, **(engine_options or {})},
         )
         self._max_workers = self._engine.processes
         _mputil.Finalize(self, _close_at_gc, (self._engine,), exitpriority=10)

@@ -116,6 +116,8 @@ class Pool:
         ray_remote_args: ``engine="ray"``: options for each worker actor
             (``actor.options(**ray_remote_args)``), e.g. ``{"num_cpus": 2}`` or
             ``{"resources": {...}}``; default ``{"num_cpus": 1}``.
+        engine_options: further keywords for the engine (an engine added as a module of
+            ``tensormp.pool.engines`` takes its own).
 
     Raises:
         ValueError: ``processes < 1``, ``maxtasksperchild`` not a positive int, an unknown
@@ -136,6 +138,7 @@ class Pool:
         engine: str = "local",
         address: str | None = None,
         ray_remote_args: Mapping[str, Any] | None = None,
+        engine_options: Mapping[str, Any] | None = None,
     ) -> None:
         from ..context import get_context
 
@@ -166,7 +169,8 @@ class Pool:
             broken_error=BrokenPoolError, ctx=ctx,
         )
         self._engine = create(
-            engine, config, {"address": address, "ray_remote_args": ray_remote_args}
+            engine, config,
+            {"address": address, "ray_remote_args": ray_remote_args, **(engine_options or {})},
         )
         self._processes = self._engine.processes
         self._terminate = _mputil.Finalize(self, self._engine.terminate, exitpriority=15)

@@ -9,8 +9,8 @@ them. The front ends use nothing of an engine but the interface below (:class:`E
 The engine interface
 --------------------
 An engine is made by ``create(name, config, options)`` from an :class:`EngineConfig` (what every
-engine needs) and a dict of engine-specific options (``address=`` and ``ray_remote_args=`` for
-Ray). Its workers exist once the constructor returns (or it raised: then nothing is left
+engine needs) and a dict of engine-specific options: the front ends' ``address=`` and
+``ray_remote_args=`` (Ray's), and whatever their ``engine_options=`` holds. Its workers exist once the constructor returns (or it raised: then nothing is left
 running).
 
 * **Tasks.** ``submit(tasks)`` queues :class:`_Task` objects (one call or one map chunk each:
@@ -50,7 +50,7 @@ once; an engine subclasses it and writes its manager thread (``_step``, ``_shutd
 
 Another engine (Dask, say) is one new module here with a class ``Engine`` built as
 ``Engine(config, **options)`` and a tuple ``OPTIONS`` of the option names it takes, plus one
-entry in ``_ENGINES``. An engine module imports its library only when ``Engine`` is built.
+entry in ``_ENGINES`` (``tests/test_engines.py`` plugs in a third engine that way). An engine module imports its library only when ``Engine`` is built.
 """
 
 from __future__ import annotations
@@ -64,8 +64,15 @@ if TYPE_CHECKING:
     from ..errors import BrokenPoolError, WorkerLostError
     from ..tasks import _Task
 
-# engine name -> module under tensormp.pool.engines (imported on first use)
-_ENGINES: dict[str, str] = {"local": "local", "ray": "ray"}
+# engine name -> the module that defines it (imported on first use)
+_ENGINES: dict[str, str] = {
+    "local": "tensormp.pool.engines.local",
+    "ray": "tensormp.pool.engines.ray",
+}
+
+
+def _module(name: str) -> Any:
+    return importlib.import_module(_ENGINES[name])
 
 
 @dataclass(frozen=True)
@@ -137,14 +144,19 @@ def create(name: Any, config: EngineConfig, options: dict[str, Any]) -> Engine:
         raise ValueError(
             f"{config.owner}: unknown engine={name!r}; choose one of {', '.join(map(repr, _ENGINES))}"
         )
-    mod = importlib.import_module(f"{__name__}.{module}")
+    mod = _module(name)
     given = {k: v for k, v in options.items() if v is not None}
     for key in given:
         if key not in mod.OPTIONS:
             takes = [n for n in _ENGINES if key in _options_of(n)]
+            if takes:
+                raise ValueError(
+                    f"{config.owner}: {key}= is an option of "
+                    f"engine={' or '.join(map(repr, takes))}, not of engine={name!r}"
+                )
             raise ValueError(
-                f"{config.owner}: {key}= is an option of engine={' or '.join(map(repr, takes))}, "
-                f"not of engine={name!r}"
+                f"{config.owner}: engine={name!r} has no option {key}= (its options: "
+                f"{', '.join(mod.OPTIONS) or 'none'})"
             )
     factory: Callable[..., Engine] = mod.Engine
     return factory(config, **given)
@@ -152,5 +164,4 @@ def create(name: Any, config: EngineConfig, options: dict[str, Any]) -> Engine:
 
 def _options_of(name: str) -> tuple[str, ...]:
     # Read without importing the engine's library (the module imports it lazily).
-    mod = importlib.import_module(f"{__name__}.{_ENGINES[name]}")
-    return tuple(mod.OPTIONS)
+    return tuple(_module(name).OPTIONS)
