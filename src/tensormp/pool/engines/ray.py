@@ -52,8 +52,9 @@ connected to, else starts a local Ray. A connection (or local Ray) the engine ma
 **Ending.** ``close()`` (once every task is done), ``terminate()``, and a worker retired by
 ``maxtasksperchild`` (once its last result is in): ``ray.kill`` (a graceful
 ``__ray_terminate__`` would wait for ``watch()`` forever; an idle actor loses nothing). The
-manager waits (bounded) until each actor's ``watch()`` fails, that is until its process is gone,
-before unfinished tasks fail with ``BrokenPoolError`` and ``join()`` returns.
+manager waits (bounded) until each actor's ``watch()`` fails, that is until Ray reports it dead
+(its process exits moments later), before unfinished tasks fail with ``BrokenPoolError`` and
+``join()`` returns.
 """
 
 from __future__ import annotations
