@@ -19,7 +19,8 @@ holds at most four tasks (the one it runs and, while more tasks wait than there 
 next three: a Ray call's round trip is about 1 ms, so a worker needs more queued than a local
 one to stay busy on small tasks). An actor runs its
 calls one at a time in the order sent (one thread for the default concurrency group), so the
-oldest task outstanding on a worker is the one it runs. ``run`` returns ``(True, value)``,
+oldest task outstanding on a worker is the one it runs, with one caveat (see *Dead workers*).
+``run`` returns ``(True, value)``,
 ``(False, exception)`` (wrapped with its traceback as ``multiprocessing.pool`` does: the caller
 gets the same exception type, with ``RemoteTraceback`` as ``__cause__``), or ``(None,
 traceback)`` when the task raised a ``BaseException`` such as ``SystemExit`` (the worker ends:
@@ -38,8 +39,13 @@ the actor's death (``os._exit``, SIGKILL, the OOM killer, its node lost), even w
 was idle. On a death the manager first waits (bounded) for the futures of the tasks it had sent
 to settle, delivers those that completed, fails the oldest unfinished one with
 :class:`WorkerLostError` (naming the node, the actor and its pid, the task, and Ray's exit
-detail), gives the younger ones to other workers (they never started), and starts a
-replacement. A worker that dies before it is ready breaks the pool after three in a row (or at
+detail), gives the younger ones to other workers, and starts a replacement. The caveat: an
+actor replies asynchronously (Ray's I/O thread sends the answer while the next call already
+runs), so a death just after a task finished can lose that task's answer, and the task then
+running was the next one. When a dead actor had two or more unanswered tasks, the error says
+so and names both, and the second runs again, alone on a worker (nothing queued behind it), so
+that if it was the one that killed the worker, its second death is attributed exactly (measured:
+``os._exit`` at the start of a task loses the previous answer). Only that task can run twice. A worker that dies before it is ready breaks the pool after three in a row (or at
 once, when its constructor failed: the cause is chained).
 
 **Connection.** One process talks to one Ray cluster (``ray.init`` is per process). ``address``,
@@ -222,7 +228,7 @@ def _disconnect(ray: Any) -> None:
 class _Actor:
     __slots__ = (
         "handle", "id", "pid", "node_id", "node_ip", "ready", "assigned", "outstanding",
-        "retiring", "stopping", "gone", "watch",
+        "retiring", "stopping", "gone", "watch", "alone",
     )
 
     def __init__(self, handle: Any, watch: concurrent.futures.Future[Any]) -> None:
@@ -240,6 +246,7 @@ class _Actor:
         self.stopping = False  # told to exit (close(), terminate(), retired)
         self.gone = False
         self.watch = watch
+        self.alone = False  # runs a task that may have killed a worker: nothing behind it
 
     def name(self) -> str:
         pid = f" (pid {self.pid})" if self.pid is not None else ""
@@ -289,6 +296,7 @@ class Engine(QueueEngine):
         self.workers: list[_Actor] = []
         self._startup_failures = 0
         self._init_failures: dict[_Actor, Any] = {}  # initializer errors, set in Ray's thread
+        self._alone: set[int] = set()  # seq of tasks to run with nothing queued behind them
         try:
             for _ in range(self.processes):
                 self._start_worker()
@@ -418,6 +426,8 @@ class Engine(QueueEngine):
                 self._lose(w, task, f"the task raised {value.strip().splitlines()[-1]}", value)
                 return False
             self._deliver(task, ok, value)
+        if not w.outstanding:
+            w.alone = False
         if w.retiring and not w.outstanding:
             self._stop_worker(w)
         return True
@@ -441,7 +451,11 @@ class Engine(QueueEngine):
                 self._deliver(task, ok, value)
                 continue
             w.outstanding.popleft()
-            self._lose(w, task, _death_detail(future, w.watch), None)
+            # The oldest unanswered task ran when the actor died, or had just finished: Ray
+            # drops the answers a dying actor has not sent yet, so the next one may be the
+            # task that was running. That one is retried alone on another worker.
+            suspect = w.outstanding[0][0] if w.outstanding else None
+            self._lose(w, task, _death_detail(future, w.watch), None, suspect)
             return
         init_error = self._init_failures.pop(w, None)
         if init_error is not None:
@@ -471,23 +485,38 @@ class Engine(QueueEngine):
                 )
         self._replenish()
 
-    def _lose(self, w: _Actor, running: _Task, how: str, traceback: str | None) -> None:
-        """``w`` ended while running ``running``: fail it, requeue the younger tasks, replace
-        the worker."""
+    def _lose(
+        self, w: _Actor, running: _Task, how: str, traceback: str | None,
+        suspect: _Task | None = None,
+    ) -> None:
+        """``w`` ended while running ``running`` (or, when ``suspect`` is given, just after it
+        finished ``running`` while starting ``suspect``): fail ``running``, requeue the
+        younger tasks (``suspect`` first, to run alone), replace the worker."""
         from multiprocessing.pool import RemoteTraceback
 
         rest = [task for task, _ in w.outstanding]
         w.outstanding.clear()
         self._stop_worker(w)
         self._forget(w)
-        if rest:  # never started by the dead worker: another one will run them
+        if suspect is not None:
+            self._alone.add(suspect.seq)
+        if rest:  # not started by the dead worker (but maybe suspect): others will run them
             with self._lock:
                 self._pending.extendleft(reversed(rest))
         what = _describe(running.label)
-        msg = (
-            f"{self.owner}: {w.name()} died while running {what}: {how}. The pool replaced the "
-            "worker and keeps running; only this task failed, resubmit it if it is safe to run "
-            "again"
+        if suspect is None:
+            msg = f"{self.owner}: {w.name()} died while running {what}: {how}."
+        else:
+            msg = (
+                f"{self.owner}: {w.name()} died while running {what}, or just after it "
+                f"finished it, when it started {_describe(suspect.label)}: {how}. (Ray drops "
+                "the answers a dying actor has not sent yet, so it cannot tell which; the "
+                "second task runs again, alone, on another worker, where a second death is "
+                "reported exactly.)"
+            )
+        msg += (
+            " The pool replaced the worker and keeps running; only this task failed, resubmit "
+            "it if it is safe to run again"
         )
         error = self._lost_error(msg, w.pid, _exit_code(how), what, w.node_ip or None)
         error.__cause__ = RemoteTraceback(traceback) if traceback else None
@@ -509,7 +538,7 @@ class Engine(QueueEngine):
             target = None
             nready = 0
             for w in self.workers:
-                if not w.ready or w.gone or w.stopping or w.retiring:
+                if not w.ready or w.gone or w.stopping or w.retiring or w.alone:
                     continue
                 nready += 1
                 if target is None or len(w.outstanding) < len(target.outstanding):
@@ -522,8 +551,13 @@ class Engine(QueueEngine):
             with self._lock:
                 if not self._pending:
                     return
+                if depth and self._pending[0].seq in self._alone:
+                    return  # it waits for an idle worker
                 task = self._pending.popleft()
                 self._room.notify_all()
+            if task.seq in self._alone:
+                self._alone.discard(task.seq)
+                target.alone = True
             if task.start is not None:
                 start, task.start = task.start, None
                 if not start():  # cancelled while it waited
