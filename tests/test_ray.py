@@ -111,6 +111,10 @@ if not IN_NETNS:
                     print("ERR", e)
                 else:
                     print("NO ERROR")
+            try:
+                tensormp.Pool(1, engine="ray", address="auto")  # no cluster on this machine
+            except ConnectionError as e:
+                print("AUTO", e)
         """)
         took = time.monotonic() - t0
         assert proc.returncode == 0, proc.stderr
@@ -118,7 +122,8 @@ if not IN_NETNS:
         assert len(lines) == 2, proc.stdout + proc.stderr
         for line in lines:
             assert "'127.0.0.1:1'" in line and "ray start --head" in line
-        assert took < 30  # Ray itself retries for minutes
+        assert "AUTO" in proc.stdout and "no running Ray cluster was found" in proc.stdout
+        assert took < 40  # Ray itself retries for minutes
 
     def test_missing_ray_names_the_extra():
         proc = _run_python("""

@@ -155,7 +155,7 @@ def _probe(address: str, owner: str) -> None:
     if not host or not port.isdigit():
         raise ValueError(
             f"{owner}: address={address!r} is not a Ray cluster address; give 'host:port' "
-            "(the head node's GCS port, 6379 by default), 'ray://host:port', or 'auto'"
+            "(the head node's GCS port, 6379 by default) or 'auto'"
         )
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=_PROBE_TIMEOUT):
@@ -166,6 +166,16 @@ def _probe(address: str, owner: str) -> None:
             "`ray start --head --port=PORT` on the head node, check the address and that "
             "the port is open from here"
         ) from e
+
+
+def _host_port(address: str) -> tuple[str, str]:
+    """``("10.0.0.5", "6379")`` for ``"headnode:6379"`` (the host resolved where possible)."""
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    try:
+        host = socket.gethostbyname(host.strip("[]"))
+    except OSError:
+        pass
+    return host, port
 
 
 def _resolve_auto(ray: Any) -> str | None:
@@ -189,7 +199,7 @@ def _connect(address: str | None, owner: str) -> tuple[Any, bool, str]:
         wanted = address or os.environ.get("RAY_ADDRESS") or None
         if ray.is_initialized():
             current = ray.get_runtime_context().gcs_address
-            if wanted not in (None, "auto") and wanted.split("://", 1)[-1] != current:
+            if wanted not in (None, "auto") and _host_port(wanted) != _host_port(current):
                 raise ValueError(
                     f"{owner}: this process is connected to the Ray cluster at {current!r}, "
                     f"not {wanted!r}; a process talks to one Ray cluster (ray.shutdown() first)"
