@@ -1,0 +1,79 @@
+"""One node of a tensormp.spawn(nnodes=2) job (tests/test_elastic.py starts two of these).
+
+Usage: elastic_node.py ENDPOINT RUN_ID MODE; prints one JSON line: the outcome on this node.
+MODE: allreduce (gloo all_reduce over the job), raise (global rank 1 raises while the others
+block in a collective op), crash (global rank 1 is killed by SIGKILL), timeout.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import tensormp
+
+
+def emit(**kw):
+    os.write(1, (json.dumps(kw) + "\n").encode())
+
+
+def allreduce(local_index, scale):
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        t = torch.tensor([float(dist.get_rank() + 1) * scale])
+        dist.all_reduce(t)
+        env = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
+        return {"sum": t.item(), "local_index": local_index, "pid": os.getpid(), **env}
+    finally:
+        dist.destroy_process_group()
+
+
+def raise_on_rank_1(local_index):
+    emit(worker=os.getpid(), rank=int(os.environ["RANK"]))
+    if os.environ["RANK"] == "1":
+        time.sleep(0.5)
+        raise ValueError(f"bad batch on global rank 1 (local index {local_index})")
+    time.sleep(120)  # the others: busy (a collective op that would wait for rank 1)
+
+
+def crash_rank_1(local_index):
+    emit(worker=os.getpid(), rank=int(os.environ["RANK"]))
+    if os.environ["RANK"] == "1":
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(120)
+
+
+def sleep_long(local_index):
+    emit(worker=os.getpid(), rank=int(os.environ["RANK"]))
+    time.sleep(120)
+
+
+if __name__ == "__main__":
+    endpoint, run_id, mode = sys.argv[1:4]
+    kw = dict(nnodes=2, rdzv_endpoint=endpoint, rdzv_id=run_id, rdzv_timeout=60)
+    start = time.monotonic()
+    try:
+        if mode == "allreduce":
+            values = tensormp.spawn(
+                allreduce, args=(2.0,), nprocs=2, distributed=True, return_values=True, **kw
+            )
+            emit(ok=True, values=values, seconds=time.monotonic() - start)
+            sys.exit(0)
+        elif mode == "raise":
+            tensormp.spawn(raise_on_rank_1, nprocs=2, **kw)
+        elif mode == "crash":
+            tensormp.spawn(crash_rank_1, nprocs=1, **kw)
+        elif mode == "timeout":
+            tensormp.spawn(sleep_long, nprocs=1, timeout=3, **kw)
+        emit(ok=True, seconds=time.monotonic() - start)
+    except tensormp.ProcessException as e:
+        emit(
+            ok=False, type=type(e).__name__, error_index=e.error_index, node=e.node,
+            message=str(e), exc_type=getattr(e, "exc_type", ""),
+            seconds=time.monotonic() - start,
+        )
