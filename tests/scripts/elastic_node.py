@@ -1,6 +1,7 @@
 """One node of a tensormp.spawn(nnodes=2) job (tests/test_elastic.py starts two of these).
 
-Usage: elastic_node.py ENDPOINT RUN_ID MODE; prints one JSON line: the outcome on this node.
+Usage: elastic_node.py ENDPOINT RUN_ID MODE NPROCS; prints JSON lines: each worker's pid, then
+the outcome on this node.
 MODE: allreduce (gloo all_reduce over the job), raise (global rank 1 raises while the others
 block in a collective op), crash (global rank 1 is killed by SIGKILL), timeout.
 """
@@ -36,6 +37,7 @@ def raise_on_rank_1(local_index):
     emit(worker=os.getpid(), rank=int(os.environ["RANK"]))
     if os.environ["RANK"] == "1":
         time.sleep(0.5)
+        emit(raised_at=time.time())
         raise ValueError(f"bad batch on global rank 1 (local index {local_index})")
     time.sleep(120)  # the others: busy (a collective op that would wait for rank 1)
 
@@ -54,26 +56,21 @@ def sleep_long(local_index):
 
 
 if __name__ == "__main__":
-    endpoint, run_id, mode = sys.argv[1:4]
-    kw = dict(nnodes=2, rdzv_endpoint=endpoint, rdzv_id=run_id, rdzv_timeout=60)
+    endpoint, run_id, mode, nprocs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    kw = dict(nprocs=nprocs, nnodes=2, rdzv_endpoint=endpoint, rdzv_id=run_id, rdzv_timeout=60)
     start = time.monotonic()
     try:
         if mode == "allreduce":
-            values = tensormp.spawn(
-                allreduce, args=(2.0,), nprocs=2, distributed=True, return_values=True, **kw
-            )
+            values = tensormp.spawn(allreduce, args=(2.0,), distributed=True, return_values=True,
+                                    **kw)
             emit(ok=True, values=values, seconds=time.monotonic() - start)
-            sys.exit(0)
-        elif mode == "raise":
-            tensormp.spawn(raise_on_rank_1, nprocs=2, **kw)
-        elif mode == "crash":
-            tensormp.spawn(crash_rank_1, nprocs=1, **kw)
-        elif mode == "timeout":
-            tensormp.spawn(sleep_long, nprocs=1, timeout=3, **kw)
-        emit(ok=True, seconds=time.monotonic() - start)
+        else:
+            fn = {"raise": raise_on_rank_1, "crash": crash_rank_1, "timeout": sleep_long}[mode]
+            tensormp.spawn(fn, timeout=3 if mode == "timeout" else None, **kw)
+            emit(ok=True, seconds=time.monotonic() - start)
     except tensormp.ProcessException as e:
         emit(
             ok=False, type=type(e).__name__, error_index=e.error_index, node=e.node,
-            message=str(e), exc_type=getattr(e, "exc_type", ""),
+            message=str(e), exc_type=getattr(e, "exc_type", ""), at=time.time(),
             seconds=time.monotonic() - start,
         )
