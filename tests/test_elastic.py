@@ -141,7 +141,7 @@ def test_a_rank_that_raises_fails_every_node_in_bounded_time(tmp_path):
         assert "ValueError: bad batch on global rank 1" in r["message"]
         assert "in raise_on_rank_1" in r["message"] and "(global rank 1;" in r["message"]
         # rank 0 sleeps 120 s: it was stopped, within seconds of rank 1's error
-        assert r["at"] - raised_at[0] < 15, (r["at"] - raised_at[0], r)
+        assert r["at"] - raised_at[0] < 10, (r["at"] - raised_at[0], r)
     assert results[0]["node"] == results[1]["node"]
     assert all(_gone(pid) for pid in workers), "a worker outlived its node"
 
@@ -249,3 +249,23 @@ def test_timeout_stops_the_whole_job(tmp_path):
     assert time.monotonic() - start < 60  # the ranks sleep 120 s
     workers = [d["worker"] for lines in nodes for d in lines if "worker" in d]
     assert all(_gone(pid) for pid in workers)
+
+
+@pytest.mark.slow
+@needs_netns
+def test_a_node_alone_gets_a_rendezvous_timeout_naming_the_endpoint(tmp_path):
+    code = (
+        "import tensormp\n"
+        "def fn(i):\n"
+        "    pass\n"
+        "if __name__ == '__main__':\n"
+        "    tensormp.spawn(fn, nprocs=1, nnodes=2, rdzv_endpoint='127.0.0.1:29400', "
+        "rdzv_timeout=5)\n"
+    )
+    script = tmp_path / "alone.py"
+    script.write_text(code)
+    start = time.monotonic()
+    run_nodes(tmp_path, [[sys.executable, str(script)]], 60)
+    err = (tmp_path / "node0.err").read_text()
+    assert "RendezvousTimeoutError" in err and "2 nodes were to meet at 127.0.0.1:29400" in err
+    assert time.monotonic() - start < 45
