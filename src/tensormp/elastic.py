@@ -269,7 +269,9 @@ class _Watch(threading.Thread):
     """While ``fn`` runs: end this rank when another rank's failure is published, or at the
     deadline (see the module notes)."""
 
-    def __init__(self, exchange: _Exchange, deadline: float | None, timeout: float | None) -> None:
+    def __init__(
+        self, exchange: _Exchange | None, deadline: float | None, timeout: float | None
+    ) -> None:
         super().__init__(name="tensormp-spawn-watch", daemon=True)
         self.exchange = exchange
         self.deadline, self.timeout = deadline, timeout
@@ -277,11 +279,14 @@ class _Watch(threading.Thread):
         self.decided = threading.Lock()  # taken by whoever reports: this thread or fn's
 
     def run(self) -> None:
+        store = None
         try:
-            store = self.exchange.connect()
+            if self.exchange is not None:
+                store = self.exchange.connect()
         except Exception as e:  # noqa: BLE001 - the job goes on without the exchange
             print(f"tensormp.spawn: cannot watch the job for failures: {e}", file=sys.stderr)
-            return
+            if self.deadline is None:
+                return
         while not self.stopped.wait(_POLL):
             if self.deadline is not None and time.monotonic() >= self.deadline:
                 record = {**_here("timeout"), "type": "ProcessTimeoutError",
@@ -289,20 +294,24 @@ class _Watch(threading.Thread):
                 print(f"tensormp.spawn: {_where(record)} timed out after {self.timeout:g} s; "
                       "stopping it", file=sys.stderr)
                 self._end(store, record)
+            if store is None or self.exchange is None:
+                continue
             try:
                 record = _failure(store)
             except Exception as e:  # noqa: BLE001 - its host is gone: torch's agent sees it
                 print(f"tensormp.spawn: lost the job's store ({e}); no longer watching it for "
                       "failures of other ranks", file=sys.stderr)
-                return
+                store = None
+                continue
             if record is not None and int(record["rank"]) != self.exchange.rank:
                 self._end(store, record)
 
-    def _end(self, store: Store, record: dict[str, Any]) -> None:
+    def _end(self, store: Store | None, record: dict[str, Any]) -> None:
         """Take or publish ``record``, leave it in the error file, end this process."""
         if not self.decided.acquire(blocking=False):
             return  # fn's thread is reporting its own failure
-        record = _take_or_publish(store, self.exchange, record)
+        if store is not None and self.exchange is not None:
+            record = _take_or_publish(store, self.exchange, record)
         _write_error_file(record)
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -331,7 +340,9 @@ def _run_rank(
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     deadline = None if timeout is None else time.monotonic() + timeout
-    watch = _Watch(exchange, deadline, timeout) if exchange is not None else None
+    watch = None
+    if exchange is not None or deadline is not None:
+        watch = _Watch(exchange, deadline, timeout)
     if watch is not None:
         watch.start()
     _running_here.active = True
@@ -344,16 +355,18 @@ def _run_rank(
             result = None  # sys.exit(0): a clean exit, as of a one-machine rank
         else:
             record = _raised(e)
-            if watch is not None and exchange is not None:
+            if watch is not None:
                 watch.stop()
+            if exchange is not None:
                 record = _take_or_publish(exchange.store, exchange, record)
             _write_error_file(record)
             raise _exception(record) from None
     finally:
         _running_here.active = False
-    if watch is None or exchange is None:
+    if watch is not None:
+        watch.stop()  # returns once it stopped looking: it can no longer end this process
+    if exchange is None:
         return result
-    watch.stop()  # returns once it stopped looking: it can no longer end this process
     record = _wait_all_done(exchange)
     if record is not None:
         _write_error_file(record)
