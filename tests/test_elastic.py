@@ -89,7 +89,8 @@ def _stderr(tmp_path: Path, commands: list) -> str:
 
 def elastic_nodes(tmp_path: Path, mode: str, nprocs: int, timeout: float = 90) -> list[list[dict]]:
     port = next(_ports)
-    cmd = [sys.executable, str(NODE), f"127.0.0.1:{port}", f"job-{mode}", mode, str(nprocs)]
+    cmd = [sys.executable, str(NODE), f"127.0.0.1:{port}", f"job-{mode}", mode, str(nprocs),
+           str(tmp_path / "flag")]
     return run_nodes(tmp_path, [cmd, cmd], timeout)
 
 
@@ -112,35 +113,38 @@ def outcome(lines: list[dict], tmp_path: Path) -> dict:
 
 
 @needs_netns
-def test_two_nodes_gloo_all_reduce(tmp_path):
-    nodes = elastic_nodes(tmp_path, "allreduce", nprocs=2)
+@pytest.mark.parametrize("nprocs", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_two_nodes_gloo_all_reduce(tmp_path, nprocs):
+    nodes = elastic_nodes(tmp_path, "allreduce", nprocs=nprocs)
     results = [outcome(lines, tmp_path) for lines in nodes]
     assert all(r["ok"] for r in results), results
     values = [v for r in results for v in r["values"]]
-    # 4 ranks, rank r contributes (r + 1) * 2.0: every rank holds the job's sum.
-    assert [v["sum"] for v in values] == [20.0] * 4
-    assert sorted(v["RANK"] for v in values) == ["0", "1", "2", "3"]
+    world = 2 * nprocs
+    # rank r contributes (r + 1) * 2.0: every rank holds the job's sum
+    assert [v["sum"] for v in values] == [float(world * (world + 1))] * world
+    assert sorted(v["RANK"] for v in values) == [str(r) for r in range(world)]
     for r in results:  # fn(local_index, ...), in local order; torch's env for the whole job
-        assert [v["local_index"] for v in r["values"]] == [0, 1]
-        assert [v["LOCAL_RANK"] for v in r["values"]] == ["0", "1"]
-        assert {v["WORLD_SIZE"] for v in r["values"]} == {"4"}
+        assert [v["local_index"] for v in r["values"]] == list(range(nprocs))
+        assert [v["LOCAL_RANK"] for v in r["values"]] == [str(i) for i in range(nprocs)]
+        assert {v["WORLD_SIZE"] for v in r["values"]} == {str(world)}
         assert all(v["MASTER_ADDR"] for v in r["values"])
     assert all(_gone(v["pid"]) for v in values)
 
 
 @needs_netns
 def test_a_rank_that_raises_fails_every_node_in_bounded_time(tmp_path):
-    nodes = elastic_nodes(tmp_path, "raise", nprocs=1)
+    # ranks 0, 1 on one node, 2, 3 on the other; 1 raises after 2 returned, 0 and 3 sleep 120 s
+    nodes = elastic_nodes(tmp_path, "raise", nprocs=2)
     results = [outcome(lines, tmp_path) for lines in nodes]
     raised_at = [d["raised_at"] for lines in nodes for d in lines if "raised_at" in d]
     workers = [d["worker"] for lines in nodes for d in lines if "worker" in d]
-    assert len(raised_at) == 1 and len(workers) == 2
+    assert len(raised_at) == 1 and len(workers) == 4
     for r in results:  # the same exception on both nodes: rank 1's traceback, rank, node
         assert r["ok"] is False and r["type"] == "ProcessRaisedException", r
         assert r["error_index"] == 1 and r["exc_type"] == "ValueError"
-        assert "ValueError: bad batch on global rank 1" in r["message"]
+        assert "ValueError: bad batch on global rank 1 (local index 1)" in r["message"]
         assert "in raise_on_rank_1" in r["message"] and "(global rank 1;" in r["message"]
-        # rank 0 sleeps 120 s: it was stopped, within seconds of rank 1's error
+        # the sleeping ranks were stopped, within seconds of rank 1's error
         assert r["at"] - raised_at[0] < 10, (r["at"] - raised_at[0], r)
     assert results[0]["node"] == results[1]["node"]
     assert all(_gone(pid) for pid in workers), "a worker outlived its node"

@@ -1,9 +1,9 @@
 """One node of a tensormp.spawn(nnodes=2) job (tests/test_elastic.py starts two of these).
 
-Usage: elastic_node.py ENDPOINT RUN_ID MODE NPROCS; prints JSON lines: each worker's pid, then
-the outcome on this node.
-MODE: allreduce (gloo all_reduce over the job), raise (global rank 1 raises while the others
-block in a collective op), crash (global rank 1 is killed by SIGKILL), timeout.
+Usage: elastic_node.py ENDPOINT RUN_ID MODE NPROCS [FLAG]; prints JSON lines: each worker's pid,
+then the outcome on this node. FLAG: a file path for ranks to signal each other.
+MODE: allreduce (gloo all_reduce over the job), raise (global rank 1 raises after rank 2 returned,
+while ranks 0 and 3 block as in a collective op), crash (global rank 1 is killed by SIGKILL), timeout.
 """
 
 import json
@@ -33,13 +33,21 @@ def allreduce(local_index, scale):
         dist.destroy_process_group()
 
 
-def raise_on_rank_1(local_index):
-    emit(worker=os.getpid(), rank=int(os.environ["RANK"]))
-    if os.environ["RANK"] == "1":
-        time.sleep(0.5)
+def raise_on_rank_1(local_index, flag):
+    """Rank 1 raises once rank 2 has returned; ranks 0 and 3 sleep (as if in a collective op)."""
+    rank = int(os.environ["RANK"])
+    emit(worker=os.getpid(), rank=rank)
+    if rank == 2:
+        open(flag, "w").close()
+        return "done"
+    if rank == 1:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # rank 2 is waiting for the job by now
         emit(raised_at=time.time())
         raise ValueError(f"bad batch on global rank 1 (local index {local_index})")
-    time.sleep(120)  # the others: busy (a collective op that would wait for rank 1)
+    time.sleep(120)
 
 
 def crash_rank_1(local_index):
@@ -66,7 +74,8 @@ if __name__ == "__main__":
             emit(ok=True, values=values, seconds=time.monotonic() - start)
         else:
             fn = {"raise": raise_on_rank_1, "crash": crash_rank_1, "timeout": sleep_long}[mode]
-            tensormp.spawn(fn, timeout=3 if mode == "timeout" else None, **kw)
+            args = (sys.argv[5],) if mode == "raise" else ()
+            tensormp.spawn(fn, args=args, timeout=3 if mode == "timeout" else None, **kw)
             emit(ok=True, seconds=time.monotonic() - start)
     except tensormp.ProcessException as e:
         emit(
