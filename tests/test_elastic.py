@@ -192,6 +192,7 @@ def test_torchrun_runs_a_one_machine_spawn_script_unchanged(tmp_path):
         (value,) = r["values"]
         assert value["pid"] == r["pid"] and value["local_index"] == 0
         assert value["world"] == 2 and value["sum"] == 6.0
+        assert len(set(value["helpers"]) - {r["pid"]}) == 2  # a nested spawn() started two
     assert sorted(r["values"][0]["rank"] for r in results) == [0, 1]
 
 

@@ -10,7 +10,8 @@ Two ways in, both from :func:`tensormp.spawn`; torch is imported only on these p
   ``nprocs`` against ``LOCAL_WORLD_SIZE`` and runs ``fn(LOCAL_RANK, *args)`` here. torchrun's
   ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE`` stay as they are, so a one-machine
   script runs unchanged under ``torchrun --nnodes=N``. A call made while ``fn`` runs (``fn``
-  itself calls ``spawn``) starts processes as usual.
+  itself calls ``spawn``), or in a process that ``fn`` started (``TENSORMP_ELASTIC_RANK_PID``
+  names the rank's pid), starts processes as usual.
 * **spawn(..., nnodes=N, rdzv_endpoint="host:port")** (:func:`launch`). Every node runs the
   same call; ``torch.distributed.launcher.api.elastic_launch`` (a ``LaunchConfig`` with the c10d
   rendezvous) starts ``nprocs`` workers per node, each runs :func:`_worker`, which is the
@@ -97,15 +98,20 @@ _STORE_TIMEOUT = 30.0  # seconds for one store operation
 _JOIN_TIMEOUT = 600  # seconds for all nodes to join the rendezvous (torchrun's default)
 _KEY_PREFIX = "tensormp/spawn"
 
+_RANK_PID = "TENSORMP_ELASTIC_RANK_PID"  # set by a rank: its children are no ranks
+
 _calls = count()  # spawn() calls in this process: every rank makes the same ones, in order
-_running_here = threading.local()  # set while fn runs here: a nested spawn() starts processes
+_running_here = False  # fn runs here: a spawn() that fn makes starts processes
 
 
 def under_torchrun() -> bool:
-    """True when this process is a torchrun (torch.distributed.elastic) worker and no
-    :func:`spawn_under_torchrun` call is running ``fn`` in it."""
-    return bool(os.environ.get("TORCHELASTIC_RUN_ID")) and not getattr(
-        _running_here, "active", False
+    """True when torchrun (torch.distributed.elastic) started this process as a rank, and
+    ``fn`` is not running in it already (a ``spawn()`` that ``fn`` makes, or one made in a
+    process that ``fn`` started, starts processes as usual)."""
+    return (
+        bool(os.environ.get("TORCHELASTIC_RUN_ID"))
+        and not _running_here
+        and os.environ.get(_RANK_PID, str(os.getpid())) == str(os.getpid())
     )
 
 
@@ -345,7 +351,9 @@ def _run_rank(
         watch = _Watch(exchange, deadline, timeout)
     if watch is not None:
         watch.start()
-    _running_here.active = True
+    global _running_here
+    os.environ[_RANK_PID] = str(os.getpid())
+    _running_here = True
     try:
         result = fn(local_rank, *args)
     except BaseException as e:
@@ -362,7 +370,7 @@ def _run_rank(
             _write_error_file(record)
             raise _exception(record) from None
     finally:
-        _running_here.active = False
+        _running_here = False
     if watch is not None:
         watch.stop()  # returns once it stopped looking: it can no longer end this process
     if exchange is None:

@@ -17,6 +17,10 @@ def emit(**kw):
     os.write(1, (json.dumps(kw) + "\n").encode())
 
 
+def helper(i):
+    return os.getpid()
+
+
 def train(local_index, scale):
     import torch
     import torch.distributed as dist
@@ -25,8 +29,10 @@ def train(local_index, scale):
     try:
         t = torch.tensor([float(dist.get_rank() + 1) * scale])
         dist.all_reduce(t)
+        # a spawn() that fn makes starts processes, as on one machine
+        helpers = tensormp.spawn(helper, nprocs=2, return_values=True)
         return {"sum": t.item(), "local_index": local_index, "pid": os.getpid(),
-                "rank": dist.get_rank(), "world": dist.get_world_size()}
+                "rank": dist.get_rank(), "world": dist.get_world_size(), "helpers": helpers}
     finally:
         dist.destroy_process_group()
 
