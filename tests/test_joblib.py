@@ -8,6 +8,7 @@ import signal
 
 import joblib
 import numpy as np
+import psutil
 import pytest
 from joblib.externals.loky.process_executor import (
     TerminatedWorkerError as LokyTerminatedWorkerError,
@@ -15,6 +16,7 @@ from joblib.externals.loky.process_executor import (
 
 import tensormp
 import tensormp.joblib  # registers the backend
+from conftest import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -123,6 +125,13 @@ def test_workers_are_kept_between_calls_and_nested_calls_use_threads():
         ]
         gen = joblib.Parallel(return_as="generator")(joblib.delayed(abs)(-i) for i in range(4))
         assert list(gen) == [0, 1, 2, 3]
+
+
+def test_idle_workers_stop_after_idle_worker_timeout():
+    with joblib.parallel_config(backend="tensormp", n_jobs=2, idle_worker_timeout=0.2):
+        pids = {p for *_, p in joblib.Parallel()(
+            joblib.delayed(double_info)(np.zeros(3)) for _ in range(4))}
+    assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), 10.0), pids
 
 
 def test_scikit_learn_estimators_run_on_the_backend():

@@ -170,7 +170,8 @@ class _ByValue:
         return _loads, (self.data, self.is_function)
 
 
-_PLAIN = (int, float, complex, bool, str, bytes, type(None))
+# Types that always pickle (numpy.ndarray is added once numpy is loaded): no probe for them.
+_PLAIN: set[type] = {int, float, complex, bool, str, bytes, type(None)}
 
 
 def _by_value(obj: Any, is_function: bool) -> Any:
@@ -184,15 +185,32 @@ def _by_value(obj: Any, is_function: bool) -> Any:
 
 def _wire(obj: Any) -> Any:
     """``obj``, or a by-value wrapper when plain pickle (and so tensormp's) refuses it."""
-    cls = type(obj)
-    if cls in _PLAIN:
+    if type(obj) in _PLAIN:
         return obj
     np = sys.modules.get("numpy")
-    if np is not None and cls is np.ndarray:
-        return obj
+    if np is not None and np.ndarray not in _PLAIN:
+        _PLAIN.add(np.ndarray)
+        if type(obj) is np.ndarray:
+            return obj
     if _pickles(obj):
         return obj
     return _by_value(obj, False)
+
+
+def _wire_args(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    plain = _PLAIN
+    for a in args:
+        if type(a) not in plain:
+            return tuple([_wire(x) for x in args])
+    return args
+
+
+def _wire_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    plain = _PLAIN
+    for v in kwargs.values():
+        if type(v) not in plain:
+            return {k: _wire(x) for k, x in kwargs.items()}
+    return kwargs
 
 
 def _needs_value(fn: Any) -> bool:
@@ -209,19 +227,34 @@ class _Functions:
 
     def __init__(self) -> None:
         self._seen: dict[int, tuple[Any, Any]] = {}  # id -> (function kept alive, wire form)
+        self._last: tuple[Any, Any] = (None, None)
 
     def wire(self, fn: Any) -> Any:
+        last = self._last
+        if last[0] is fn:
+            return last[1]
         hit = self._seen.get(id(fn))
         if hit is not None and hit[0] is fn:
+            self._last = hit
             return hit[1]
         wire = _by_value(fn, True) if _needs_value(fn) else fn
         if len(self._seen) > 1024:
             self._seen.clear()
-        self._seen[id(fn)] = (fn, wire)
+        self._seen[id(fn)] = self._last = (fn, wire)
         return wire
 
 
 Item = tuple[Any, tuple[Any, ...], dict[str, Any]]
+
+
+def _wire_item(item: Item, functions: _Functions) -> Item:
+    """One ``(function, args, kwargs)`` of a batch as it travels (itself when nothing needs
+    sending by value: the common case costs no copy)."""
+    fn, args, kwargs = item
+    w, a, k = functions.wire(fn), _wire_args(args), _wire_kwargs(kwargs) if kwargs else kwargs
+    if w is fn and a is args and k is kwargs:
+        return item
+    return (w, a, k)
 
 
 def _run_batch(items: list[Item], backend: Any, n_jobs: int | None) -> list[Any]:
@@ -450,11 +483,8 @@ class TensormpBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[m
             raise RuntimeError("the tensormp joblib backend was terminated; configure it first")
         target: Callable[..., Any]
         if isinstance(func, BatchedCalls):
-            wire = self._functions.wire
-            items = [
-                (wire(fn), tuple(_wire(a) for a in args), {k: _wire(v) for k, v in kwargs.items()})
-                for fn, args, kwargs in func.items
-            ]
+            functions = self._functions
+            items = [_wire_item(item, functions) for item in func.items]
             target, args = _run_batch, (items, func._backend, func._n_jobs)
         else:
             target, args = _run_call, (self._functions.wire(func),)
