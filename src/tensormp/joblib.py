@@ -2,7 +2,7 @@
 tensormp worker processes, with numpy arrays in arguments *and* results crossing as shared
 memory.
 
-Usage::
+Usage:
 
     import joblib
     import tensormp.joblib  # registers the backend (or call tensormp.joblib.register())
