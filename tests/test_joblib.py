@@ -48,6 +48,14 @@ def die(i):
     return i
 
 
+def segv(i):
+    if i == 2:
+        import ctypes
+
+        ctypes.string_at(0)  # SIGSEGV in native code
+    return i
+
+
 def inner(i):
     return sum(joblib.Parallel(n_jobs=2)(joblib.delayed(abs)(-j) for j in range(i)))
 
@@ -108,9 +116,18 @@ def test_a_dead_worker_raises_terminated_worker_error_as_loky():
         e = info.value
         assert isinstance(e, tensormp.TerminatedWorkerError)
         assert isinstance(e, tensormp.joblib.TerminatedWorkerError)
-        assert e.signal_name == "SIGKILL" and e.pid > 0 and "die" in e.task
+        assert e.signal_name == "SIGKILL" and e.pid > 0 and e.task == "die(1)"
+        assert "die(1)" in str(e) and "SIGKILL" in str(e)
         # the next call gets fresh workers
         assert joblib.Parallel()(joblib.delayed(abs)(-i) for i in range(5)) == [0, 1, 2, 3, 4]
+
+
+def test_a_crash_in_native_code_carries_the_workers_python_stack():
+    with joblib.parallel_config(backend="tensormp", n_jobs=2):
+        with pytest.raises(tensormp.joblib.TerminatedWorkerError) as info:
+            joblib.Parallel(batch_size=1)(joblib.delayed(segv)(i) for i in range(4))
+    assert info.value.signal_name == "SIGSEGV"
+    assert "segv" in str(info.value.__cause__)  # faulthandler's dump of the worker
 
 
 def test_workers_are_kept_between_calls_and_nested_calls_use_threads():

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import reprlib
 import sys
 import threading
 import types
@@ -366,11 +367,50 @@ def shutdown() -> None:
 
 
 class _Outcome:
-    __slots__ = ("ok", "value")
+    __slots__ = ("ok", "value", "func")
 
-    def __init__(self, ok: bool, value: Any) -> None:
+    def __init__(self, ok: bool, value: Any, func: Any = None) -> None:
         self.ok = ok
         self.value = value
+        self.func = func  # what was submitted, to name it in an error
+
+
+_repr = reprlib.Repr()
+_repr.maxstring = _repr.maxother = 60
+
+
+def _describe(func: Any) -> str:
+    """``work(array([...]), k=2) and 31 more calls``: a batch as a person reads it."""
+    items = getattr(func, "items", None)
+    if not items:
+        return _repr.repr(func)
+    fn, args, kwargs = items[0]
+    fn = getattr(fn, "function", None) or fn  # scikit-learn's delayed wraps the function
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    parts = [_repr.repr(a) for a in args[:4]] + ["..."] * (len(args) > 4)
+    parts += [f"{k}={_repr.repr(v)}" for k, v in list(kwargs.items())[:4]]
+    more = f" and {len(items) - 1} more call(s)" if len(items) > 1 else ""
+    return f"{name}({', '.join(parts)}){more}"
+
+
+def _lost(error: WorkerLostError, func: Any) -> TerminatedWorkerError:
+    how = (
+        f"was killed by signal {error.signal_name}" if error.signal_name
+        else f"exited with code {error.exitcode}"
+    )
+    hint = (
+        " SIGKILL comes from the kernel's out-of-memory killer when memory runs out (see "
+        "`dmesg`), or from a `kill -9`." if error.signal_name == "SIGKILL" else ""
+    )
+    task = _describe(func)
+    lost = TerminatedWorkerError(
+        f"a worker of the tensormp joblib backend (pid {error.pid}) {how} while running "
+        f"{task}.{hint} The call's other batches were stopped; the next call starts fresh "
+        "workers.",
+        error.pid, error.exitcode, task,
+    )
+    lost.__cause__ = error.__cause__  # the worker's Python stack, when known
+    return lost
 
 
 class TensormpBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[misc]
@@ -495,7 +535,7 @@ class TensormpBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[m
             callback(_Outcome(True, value))
 
         def failed(error: BaseException) -> None:
-            callback(_Outcome(False, error))
+            callback(_Outcome(False, error, func))
 
         return self._pool.apply_async(target, args, callback=done, error_callback=failed)
 
@@ -510,9 +550,7 @@ class TensormpBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[m
             return out.value
         error = out.value
         if isinstance(error, WorkerLostError) and not isinstance(error, TerminatedWorkerError):
-            lost = TerminatedWorkerError(error.msg, error.pid, error.exitcode, error.task)
-            lost.__cause__ = error.__cause__
-            raise lost
+            raise _lost(error, out.func)
         raise error
 
     def retrieve_result(self, out: Any, timeout: float | None = None) -> Any:
