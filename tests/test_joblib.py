@@ -174,3 +174,27 @@ def test_bad_arguments_are_refused_clearly():
             joblib.Parallel()(joblib.delayed(abs)(-1) for _ in range(2))
     with pytest.raises(ValueError, match="n_jobs == 0"):
         joblib.Parallel(backend="tensormp", n_jobs=0)(joblib.delayed(abs)(-1) for _ in range(2))
+
+
+def _child_uses_backend(conn):
+    with joblib.parallel_config(backend="tensormp", n_jobs=2):
+        out = joblib.Parallel()(joblib.delayed(double_info)(np.ones(3)) for _ in range(4))
+    tensormp.joblib.shutdown()
+    conn.send([pid for *_, pid in out])
+    conn.close()
+
+
+def test_a_forked_child_gets_its_own_workers():
+    with joblib.parallel_config(backend="tensormp", n_jobs=2):
+        mine = {p for *_, p in joblib.Parallel()(
+            joblib.delayed(double_info)(np.ones(3)) for _ in range(4))}
+    ctx = tensormp.get_context("fork")
+    reader, writer = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_child_uses_backend, args=(writer,))
+    child.start()
+    writer.close()
+    assert reader.poll(60), "the forked child's Parallel call did not finish"
+    theirs = set(reader.recv())
+    child.join(30)
+    reader.close()
+    assert child.exitcode == 0 and theirs and not theirs & mine

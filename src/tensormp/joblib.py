@@ -18,7 +18,9 @@ is kept between ``Parallel`` calls (sklearn makes many) and reused while ``n_job
 method and the worker environment are the same; it is closed once idle for
 ``idle_worker_timeout`` seconds (300, as loky), by :func:`shutdown`, or at interpreter exit. A
 ``Parallel`` call that needs another shape while the shared pool is busy with another call gets
-a private pool, closed at the end of that call.
+a private pool, closed at the end of that call. A process forked from one that holds the
+shared pool starts without one (``os.register_at_fork``): the parent's pool and its manager
+thread are not the child's.
 
 **What crosses how.** joblib hands the backend a ``BatchedCalls``: a list of
 ``(function, args, kwargs)``. The backend sends the list itself (not the ``BatchedCalls``
@@ -351,7 +353,13 @@ class _Reusable:
             pool.join()
 
 
+    def forget(self) -> None:
+        """In a forked child: the parent's pool and its threads are not ours."""
+        self.__init__()  # type: ignore[misc]
+
+
 _reusable = _Reusable()
+os.register_at_fork(after_in_child=_reusable.forget)
 
 
 def _new_pool(key: _PoolKey) -> Pool:
