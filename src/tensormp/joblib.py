@@ -97,7 +97,8 @@ __all__ = ["TensormpBackend", "TerminatedWorkerError", "register", "shutdown"]
 BACKEND_NAME = "tensormp"
 
 
-class TerminatedWorkerError(_TensormpTerminatedWorkerError, _LokyTerminatedWorkerError):
+# joblib ships no type information: its classes are Any to mypy.
+class TerminatedWorkerError(_TensormpTerminatedWorkerError, _LokyTerminatedWorkerError):  # type: ignore[misc]
     """A worker died while it ran a batch of a ``joblib.Parallel`` call.
 
     Both joblib's ``joblib.externals.loky.process_executor.TerminatedWorkerError`` (what joblib's
@@ -530,6 +531,7 @@ class TensormpBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[m
         if self._pool is None:
             raise RuntimeError("the tensormp joblib backend was terminated; configure it first")
         target: Callable[..., Any]
+        args: tuple[Any, ...]
         if isinstance(func, BatchedCalls):
             functions = self._functions
             items = [_wire_item(item, functions) for item in func.items]
