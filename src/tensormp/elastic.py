@@ -87,7 +87,7 @@ from .spawn import (
 )
 
 if TYPE_CHECKING:
-    from torch.distributed import Store
+    from torch.distributed import Store  # type: ignore[attr-defined]
 
 __all__ = ["under_torchrun", "spawn", "spawn_under_torchrun", "launch"]
 
@@ -129,7 +129,7 @@ def _import_torch_distributed(what: str) -> None:
 
 
 def _store_client(host: str, port: int, timeout: float) -> Store:
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
 
@@ -148,7 +148,7 @@ class _Exchange:
         self.store = self.connect()
 
     def connect(self) -> Store:
-        from torch.distributed import PrefixStore
+        from torch.distributed import PrefixStore  # type: ignore[attr-defined]
 
         return PrefixStore(self.prefix, _store_client(self.host, self.port, _STORE_TIMEOUT))
 
@@ -243,8 +243,7 @@ def _exception(record: dict[str, Any], seen_from: str = "") -> ProcessException:
         what = f"signal {signame}" if signame else f"exit code {code}"
         msg = f"{where} terminated with {what}{note}"
         exc = ProcessExitedException(msg, rank, pid, code, signame, failures=[failure])
-    exc.node = int(record["node"])  # type: ignore[attr-defined]
-    exc.host = str(record["host"])  # type: ignore[attr-defined]
+    exc.__dict__.update(node=int(record["node"]), host=str(record["host"]))
     return exc
 
 
@@ -303,14 +302,14 @@ class _Watch(threading.Thread):
             if store is None or self.exchange is None:
                 continue
             try:
-                record = _failure(store)
+                published = _failure(store)
             except Exception as e:  # noqa: BLE001 - its host is gone: torch's agent sees it
                 print(f"tensormp.spawn: lost the job's store ({e}); no longer watching it for "
                       "failures of other ranks", file=sys.stderr)
                 store = None
                 continue
-            if record is not None and int(record["rank"]) != self.exchange.rank:
-                self._end(store, record)
+            if published is not None and int(published["rank"]) != self.exchange.rank:
+                self._end(store, published)
 
     def _end(self, store: Store | None, record: dict[str, Any]) -> None:
         """Take or publish ``record``, leave it in the error file, end this process."""
@@ -375,10 +374,10 @@ def _run_rank(
         watch.stop()  # returns once it stopped looking: it can no longer end this process
     if exchange is None:
         return result
-    record = _wait_all_done(exchange)
-    if record is not None:
-        _write_error_file(record)
-        raise _exception(record, f"seen by global rank {exchange.rank} after its fn returned")
+    failed = _wait_all_done(exchange)
+    if failed is not None:
+        _write_error_file(failed)
+        raise _exception(failed, f"seen by global rank {exchange.rank} after its fn returned")
     return result
 
 
@@ -520,7 +519,7 @@ def _parse_endpoint(endpoint: Any) -> tuple[str, int]:
 def _host_or_join(host: str, port: int, timeout: float) -> tuple[Store, bool]:
     """The rendezvous store: hosted here when ``host`` is this machine and the port is free
     (as torch's c10d backend decides), else a client of it."""
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
     if _matches_machine_hostname(host):
@@ -663,7 +662,7 @@ def _no_torch_tracebacks_in_logs() -> Iterator[None]:
 
 
 def _prefixed(store: Store, run_id: str) -> Store:
-    from torch.distributed import PrefixStore
+    from torch.distributed import PrefixStore  # type: ignore[attr-defined]
 
     return PrefixStore(f"{_KEY_PREFIX}/{run_id}/", store)
 
