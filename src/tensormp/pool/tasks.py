@@ -51,9 +51,8 @@ class _Fn:
     def __init__(self, fn: Any, what: str) -> None:
         self.fn = fn
         self.what = what
-        self.name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
-        if not isinstance(self.name, str):
-            self.name = reprlib.repr(fn)
+        name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+        self.name: str = name if isinstance(name, str) else reprlib.repr(fn)
         self.wire: Any = fn
 
     @property

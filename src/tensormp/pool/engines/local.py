@@ -349,7 +349,7 @@ class Engine(QueueEngine):
             w.crash_fd = -1
 
     def _lost(self, w: _Worker, code: int, task: _Task, crash: str) -> WorkerLostError:
-        from multiprocessing.pool import RemoteTraceback
+        from multiprocessing.pool import RemoteTraceback  # type: ignore[attr-defined]  # not in typeshed
 
         what = _describe(task.label)
         msg = f"{self.owner}: worker {w.pid} {_exit_text(code)} while running {what}"

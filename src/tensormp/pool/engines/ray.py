@@ -502,7 +502,7 @@ class Engine(QueueEngine):
         """``w`` ended while running ``running`` (or, when ``suspect`` is given, just after it
         finished ``running`` while starting ``suspect``): fail ``running``, requeue the
         younger tasks (``suspect`` first, to run alone), replace the worker."""
-        from multiprocessing.pool import RemoteTraceback
+        from multiprocessing.pool import RemoteTraceback  # type: ignore[attr-defined]  # not in typeshed
 
         rest = [task for task, _ in w.outstanding]
         w.outstanding.clear()
