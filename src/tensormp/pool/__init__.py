@@ -51,7 +51,7 @@ What each party sees when a worker is SIGKILLed (the OOM killer sends SIGKILL):
 * while sending a result: the parent reads a partial message, gets EOF, and fails that task;
 * after sending a result: the result is delivered; only the replacement is visible.
 
-The parent SIGKILLed: every worker dies with it (``_child.py``: ``PR_SET_PDEATHSIG`` plus a
+The parent SIGKILLed: every worker dies with it (``_parent_death.py``: ``PR_SET_PDEATHSIG`` plus a
 watchdog pipe; workers that the manager thread replaced rely on the watchdog alone).
 
 **Who frees shared memory.** Arguments: blocks the parent created when it pickled the task.

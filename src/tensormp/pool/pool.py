@@ -355,7 +355,7 @@ class Pool:
     def __del__(self, _warn: Any = warnings.warn) -> None:
         engine = self.__dict__.get("_engine")
         if engine is not None and engine.state == _RUN:
-            _warn(f"unclosed running tensormp.Pool {self!r}", ResourceWarning, source=self)
+            _warn(f"unclosed running multiprocessing pool {self!r}", ResourceWarning, source=self)
 
     @property
     def _pool(self) -> list[Any]:

@@ -8,7 +8,7 @@ What crosses the worker's ``Connection`` (pickled with tensormp's reducers):
 
 * parent -> worker: a task ``(seq, fn, kind, args)``: ``kind`` is ``_CALL`` (``args`` is
   ``(args, kwargs)``), ``_MAP`` (a chunk of items) or ``_STARMAP`` (a chunk of argument tuples);
-  ``fn`` is the callable, or a ``_child.FnByValue`` (cloudpickle) kept unpickled in a small
+  ``fn`` is the callable, or a ``_by_value.FnByValue`` (cloudpickle) kept unpickled in a small
   cache. ``None``: stop.
 * worker -> parent: ``(_READY, pid)`` once the initializer ran; ``(_INIT_ERROR, exc)`` when it
   raised (then exit code 1); ``(_RESULT, seq, ok, value)`` for each task, in order (``seq`` is
@@ -31,7 +31,8 @@ import signal
 import sys
 from typing import Any
 
-from .. import _child, reducers
+from .. import reducers
+from .._by_value import FnByValue
 from ..errors import FdLimitError
 
 _CALL, _MAP, _STARMAP = 0, 1, 2  # task kinds
@@ -91,7 +92,7 @@ def _send_quietly(conn: Any, obj: Any) -> None:
 
 
 def _load_fn(fn: Any, cache: dict[bytes, Any]) -> Any:
-    if not isinstance(fn, _child.FnByValue):
+    if not isinstance(fn, FnByValue):
         return fn
     loaded = cache.get(fn.data)
     if loaded is None:
