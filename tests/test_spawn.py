@@ -436,6 +436,55 @@ def test_timeout_stops_the_ranks_and_raises_timeout_error():
     assert "process 0 (pid " in str(e) and "process 1 (pid " in str(e)
 
 
+def _python310():
+    """A working Python 3.10 interpreter, or None (a pyenv shim on PATH may not work)."""
+    import glob
+    import shutil
+
+    candidates = sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.10*/bin/python3.10")))
+    for path in [*candidates, shutil.which("python3.10")]:
+        if path and subprocess.run([path, "-c", ""], capture_output=True).returncode == 0:
+            return path
+    return None
+
+
+PY310 = _python310()
+
+
+@pytest.mark.skipif(PY310 is None, reason="needs a Python 3.10 interpreter")
+def test_on_python_310_the_notes_open_the_message(tmp_path):
+    # 3.10's traceback printer ignores __notes__: they lead str(e) there, which still ends with
+    # the first failure's traceback (tensormp imports no numpy for this).
+    (tmp_path / "driver.py").write_text(textwrap.dedent("""
+        import json, os, signal, sys
+        import tensormp as mp
+
+        def f(i):
+            if i == 0:
+                raise ValueError("first")
+            os.kill(os.getpid(), signal.SIGSEGV)
+
+        if __name__ == "__main__":
+            try:
+                mp.spawn(f, nprocs=2, grace_period=20)
+            except mp.ProcessRaisedException as e:
+                print(json.dumps({"str": str(e), "notes": e.__notes__}))
+    """))
+    src = os.path.dirname(os.path.dirname(mp.__file__))
+    proc = subprocess.run(
+        [PY310, str(tmp_path / "driver.py")], capture_output=True, text=True,
+        timeout=120, cwd=tmp_path, env={**os.environ, "PYTHONPATH": src},
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    notes, msg = out["notes"], out["str"]
+    assert len(notes) == 2 and notes[0].startswith("-- 1 other process(es) failed too:")
+    assert notes[1].startswith("-- Python stack of process 1 when it received SIGSEGV")
+    assert msg.startswith(notes[0]) and notes[1] in msg
+    assert msg.rstrip().endswith("ValueError: first")
+    assert "\n\n-- Process 0 terminated with the following error:\n" in msg
+
+
 def test_exceptions_pickle_with_their_attributes():
     with pytest.raises(mp.ProcessRaisedException) as info:
         mp.spawn(_mixed_failures, nprocs=4, grace_period=20)
@@ -450,6 +499,8 @@ def test_exceptions_pickle_with_their_attributes():
         assert type(back) is type(e) and str(back) == str(e)
         for attr in ("error_index", "error_pid", "exit_code", "signal_name", "failures"):
             assert getattr(back, attr) == getattr(e, attr), attr
+        assert getattr(back, "__notes__", None) == getattr(e, "__notes__", None)
+    assert len(samples[0].__notes__) == 3  # the other failures travel with it
     assert pickle.loads(pickle.dumps(samples[0])).exc_type == "ValueError"
     assert pickle.loads(pickle.dumps(samples[2])).running == [0, 2]
     assert isinstance(samples[2], TimeoutError) and samples[2].errno is None

@@ -178,7 +178,7 @@ def _rebuild_process(
     finally:
         reducers.process_args_parent(0)
     reducers.flush_release_records()
-    obj = cls.__new__(cls)
+    obj: Any = object.__new__(cls)
     obj.__dict__.update(state)
     return obj
 
@@ -227,19 +227,19 @@ class _ContextMixin:
         """A :class:`tensormp.queues.Queue` (arrays travel as shared memory)."""
         from .queues import Queue
 
-        return Queue(maxsize, ctx=self.get_context())  # type: ignore[attr-defined]
+        return Queue(maxsize, ctx=self.get_context())
 
     def JoinableQueue(self, maxsize: int = 0) -> Any:
         """A :class:`tensormp.queues.JoinableQueue` (arrays travel as shared memory)."""
         from .queues import JoinableQueue
 
-        return JoinableQueue(maxsize, ctx=self.get_context())  # type: ignore[attr-defined]
+        return JoinableQueue(maxsize, ctx=self.get_context())
 
     def SimpleQueue(self) -> Any:
         """A :class:`tensormp.queues.SimpleQueue` (arrays travel as shared memory)."""
         from .queues import SimpleQueue
 
-        return SimpleQueue(ctx=self.get_context())  # type: ignore[attr-defined]
+        return SimpleQueue(ctx=self.get_context())
 
     def Pipe(self, duplex: bool = True) -> Any:
         """Two :class:`tensormp.connection.Connection` ends (Unix sockets that carry fds)."""
@@ -260,7 +260,7 @@ class _ContextMixin:
 
         return Pool(
             processes, initializer, initargs, maxtasksperchild,
-            context=self.get_context(),  # type: ignore[attr-defined]
+            context=self.get_context(),
         )
 
 
@@ -350,7 +350,7 @@ class DefaultContext(_ContextMixin, _mpctx.DefaultContext):
     Process = Process
 
     def __init__(self) -> None:
-        super().__init__(None)
+        super().__init__(_stdlib_default)  # unused: get_context() asks the stdlib's default
 
     def get_context(self, method: str | None = None, *, die_with_parent: bool = True) -> Any:
         if method is None:
@@ -360,11 +360,13 @@ class DefaultContext(_ContextMixin, _mpctx.DefaultContext):
     def set_start_method(self, method: str | None, force: bool = False) -> None:
         _stdlib_default.set_start_method(method, force)
 
-    def get_start_method(self, allow_none: bool = False) -> str | None:
-        return _stdlib_default.get_start_method(allow_none)  # type: ignore[no-any-return]
+    # typeshed types DefaultContext.get_start_method as returning str, BaseContext's as
+    # overloads with str | None for allow_none=True: no signature satisfies both.
+    def get_start_method(self, allow_none: bool = False) -> str | None:  # type: ignore[override]
+        return _stdlib_default.get_start_method(allow_none)
 
     def get_all_start_methods(self) -> list[str]:
-        return _stdlib_default.get_all_start_methods()  # type: ignore[no-any-return]
+        return _stdlib_default.get_all_start_methods()
 
 
 _default_context = DefaultContext()

@@ -52,6 +52,7 @@ import socket
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from contextlib import contextmanager
 from multiprocessing import connection as _mpc
 from multiprocessing import process as _mpprocess
@@ -105,7 +106,7 @@ class ProcessFailure(NamedTuple):
         traceback: the child's traceback, or its faulthandler stack after a crash, or ``""``.
     """
 
-    index: int
+    index: int  # type: ignore[assignment]  # a field named as torch names ranks; shadows tuple.index
     pid: int
     exit_code: int
     signal_name: str | None
@@ -245,8 +246,9 @@ class ProcessTimeoutError(ProcessException, TimeoutError):
     """
 
     def __init__(
-        self, msg: str, error_index: int, error_pid: int, *, running: list[int] = (), **kw: Any
-    ) -> None:  # type: ignore[assignment]
+        self, msg: str, error_index: int, error_pid: int, *, running: Sequence[int] = (),
+        **kw: Any,
+    ) -> None:
         super().__init__(msg, error_index, error_pid, **kw)
         self.running = list(running)
 
