@@ -9,20 +9,24 @@ raises ``ProcessRaisedException`` (with the child's traceback) or ``ProcessExite
 ("process 1 terminated with exit code 3", "... with signal SIGSEGV"). What differs from torch,
 and why:
 
-* **Reports.** Each rank reports over its own socket pair (``_spawn_report.py`` has the wire format).
-  The *child* writes: "started", then an error report or a return value, each complete in a
-  memfd before a single datagram announces it. The *parent* reads, only after the rank has
-  exited, without blocking, a bounded number of bytes. A child SIGKILLed at any point has sent
-  a whole message or none, so the parent never waits on a half-written report; a parent
-  SIGKILLed takes the children with it (``_parent_death.py``: pdeathsig plus a pipe watchdog). No file
-  is created, so none is left behind in the temp directory (torch leaves one per rank).
+* **Reports.** Each rank (``_spawn_rank.py``) reports over its own socket pair
+  (``_spawn_report.py`` has the wire format). The *child* writes: "started", then an error
+  report or a return value, each complete in a memfd before a single datagram announces it.
+  The *parent* reads, only after the rank has exited, without blocking, a bounded number of
+  bytes. A child SIGKILLed at any point has sent a whole message or none, so the parent never
+  waits on a half-written report; a parent SIGKILLed takes the children with it
+  (``_parent_death.py``: pdeathsig plus a pipe watchdog). No file is created, so none is left
+  behind in the temp directory (torch leaves one per rank).
 * **All failures.** After the first failure the parent waits ``grace_period`` for the others,
   stops the rest (SIGTERM, then SIGKILL after another grace period, 30 s by default as torch),
-  and raises for the first failure, listing every other failure (index, pid, exit code or
-  signal, exception type and message) in the message and in ``failures``. Ranks the parent
+  and raises for the first failure. ``str(e)`` is torch's message for that one alone (for a
+  rank that raised, it ends with its traceback: code matches on that last line); every other
+  failure (index, pid, exit code or signal, exception, traceback or crash stack) is in
+  ``failures`` and in the exception's notes, which the traceback printer shows after the
+  message (Python >= 3.11; on 3.10 the notes open the message instead). Ranks the parent
   stopped are not failures.
-* **Crashes by signal** come with the rank's Python stack: the child enables ``faulthandler``
-  on a memfd it handed to the parent at start-up.
+* **Crashes by signal** come with the rank's Python stack (a note): the child enables
+  ``faulthandler`` on a memfd it handed to the parent at start-up (``_crash_log.py``).
 * **KeyboardInterrupt.** A ``KeyboardInterrupt`` that ``fn`` raises is a failure. A Ctrl-C at
   the terminal reaches the whole process group: each rank exits quietly, by ``SIGINT``, after
   its ``finally`` blocks ran (no traceback per rank); the parent forwards ``SIGINT`` to ranks
