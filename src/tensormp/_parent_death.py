@@ -2,9 +2,9 @@
 
 Design note
 -----------
-**Children never outlive their parent** (unless told to). Every tensormp ``Process`` (and so every ``Pool`` and
-executor worker, and every ``spawn()`` rank) runs :func:`at_bootstrap` first thing in
-``Process._bootstrap``, in the child, before the target. It arms two independent kernel
+**Children never outlive their parent** (unless told to). Every tensormp ``Process`` (and so
+every ``Pool`` and executor worker, and every ``spawn()`` rank) runs :func:`at_bootstrap` first
+thing in ``Process._bootstrap``, in the child, before the target. It arms two independent kernel
 mechanisms; neither needs a thread, the GIL or any cooperation from the parent:
 
 1. *Watchdog on the logical parent.* Every stdlib start method hands the child a

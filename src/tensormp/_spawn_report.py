@@ -23,8 +23,8 @@ The child never blocks on the channel: each rank sends at most a few small datag
 the socket buffer, and payloads go into memfds. The parent reads only after the child has
 exited, with ``MSG_DONTWAIT``, at most ``_MAX_MESSAGES`` datagrams, and ``pread``s at most
 ``_MAX_REPORT_BYTES`` of an error report and ``_crash_log.MAX_BYTES`` of a crash log: a huge,
-forged or half-written report can cost the parent a bounded read, never a hang. Nothing is written to
-the file system, so nothing is left in the temp directory, whoever dies.
+forged or half-written report can cost the parent a bounded read, never a hang. Nothing is
+written to the file system, so nothing is left in the temp directory, whoever dies.
 
 Who dies when: a child SIGKILLed at any point has either sent a complete message or none; the
 parent reports its exit code or signal (with the crash log when there is one). A parent

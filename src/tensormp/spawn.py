@@ -110,7 +110,7 @@ class ProcessFailure(NamedTuple):
         traceback: the child's traceback, or its faulthandler stack after a crash, or ``""``.
     """
 
-    index: int  # type: ignore[assignment]  # a field named as torch names ranks; shadows tuple.index
+    index: int  # type: ignore[assignment]  # the rank; shadows tuple.index
     pid: int
     exit_code: int
     signal_name: str | None
@@ -409,9 +409,9 @@ class ProcessContext:
             report.error = _spawn_report.ErrorReport(
                 "ProcessExitedWithoutResult",
                 f"process {index} exited with status 0 without returning from fn",
-                f"(process {index} exited with status 0 before fn returned: sys.exit(0), os._exit(0) or "
-                "something that ended the process; spawn(return_values=True) has no value to "
-                "give for it)\n",
+                f"(process {index} exited with status 0 before fn returned: sys.exit(0), "
+                "os._exit(0) or something that ended the process; spawn(return_values=True) has "
+                "no value to give for it)\n",
                 "",
             )
             return
