@@ -329,8 +329,21 @@ _concrete_contexts: dict[tuple[str, bool], Any] = {
 _stdlib_default = _mpctx._default_context
 
 
+_checked: dict[tuple[str, bool], Any] = {}  # contexts found available, for the fast path
+
+
 def _lookup(method: str, die_with_parent: bool) -> Any:
-    if not isinstance(die_with_parent, bool):
+    """The context of ``method``; checked once (as the stdlib's ``get_context`` checks each time).
+
+    Raises:
+        ValueError: unknown or unavailable start method.
+        TypeError: ``die_with_parent`` is not a bool.
+    """
+    if die_with_parent is True or die_with_parent is False:
+        ctx = _checked.get((method, die_with_parent)) if isinstance(method, str) else None
+        if ctx is not None:
+            return ctx
+    else:
         raise TypeError(f"die_with_parent must be True or False, got {die_with_parent!r}")
     try:
         ctx = _concrete_contexts[method, die_with_parent]
@@ -340,6 +353,7 @@ def _lookup(method: str, die_with_parent: bool) -> Any:
             f"{_stdlib_default.get_all_start_methods()}"
         ) from None
     ctx._check_available()
+    _checked[method, die_with_parent] = ctx
     return ctx
 
 
@@ -354,7 +368,8 @@ class DefaultContext(_ContextMixin, _mpctx.DefaultContext):
 
     def get_context(self, method: str | None = None, *, die_with_parent: bool = True) -> Any:
         if method is None:
-            method = _stdlib_default.get_start_method()
+            actual = _stdlib_default._actual_context  # type: ignore[attr-defined]  # not in typeshed
+            method = actual._name if actual is not None else _stdlib_default.get_start_method()
         return _lookup(method, die_with_parent)
 
     def set_start_method(self, method: str | None, force: bool = False) -> None:
