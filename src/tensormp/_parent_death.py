@@ -57,7 +57,7 @@ import signal
 import threading
 from typing import Any
 
-__all__ = ["before_start", "at_bootstrap"]
+__all__ = ["before_start", "at_bootstrap", "arm_pdeathsig"]
 
 _PR_SET_PDEATHSIG = 1
 _F_SETSIG = getattr(fcntl, "F_SETSIG", 10)  # Linux value; the fcntl module has it on glibc
@@ -105,6 +105,12 @@ def at_bootstrap(process: Any, parent_sentinel: int | None) -> None:
             _watch_parent(parent_sentinel)
         except OSError:
             pass
+
+
+def arm_pdeathsig() -> None:
+    """``PR_SET_PDEATHSIG`` alone, for a process started by another launcher (torch elastic's):
+    killed when the thread that started it exits. Best effort, as :func:`at_bootstrap`."""
+    _set_pdeathsig(_PARENT_DEATH_SIGNAL)
 
 
 def _set_pdeathsig(sig: int) -> None:

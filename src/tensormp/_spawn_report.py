@@ -47,6 +47,7 @@ from . import _crash_log
 
 __all__ = [
     "ErrorReport",
+    "error_report",
     "ChannelReport",
     "send_started",
     "send_error",
@@ -129,6 +130,13 @@ class ErrorReport(NamedTuple):
     message: str
     traceback: str
     note: str  # empty, or why the report is incomplete
+
+
+def error_report(exc: BaseException, context: str = "") -> ErrorReport:
+    """``exc`` as a parent reads it from a rank: type, message and traceback, clipped as the
+    child clips them (for launchers that report ranks another way, e.g. ``elastic.py``)."""
+    payload = _encode_report(exc, context)
+    return _decode_report(payload, len(payload))
 
 
 def _decode_report(raw: bytes, announced: int) -> ErrorReport:
