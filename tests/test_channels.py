@@ -514,3 +514,31 @@ def test_soak_random_kills():
     assert len(received) > 1000
     _survivors_exchange(ctx, q, q, 10_000)
     print(f"soak ({strategy}): {len(received)} items, {kills} kills, {lost} lost")
+
+
+def _send_large(conn, tag, n):
+    for i in range(n):
+        conn.send(_item(tag, i, "large"))
+
+
+def test_large_payload_memfds_are_reused_only_once_read():
+    """A writer keeps 4 payload memfds per end: the 5th large message unread makes it wait
+    (back-pressure) and no payload is overwritten before its reader is done; a fork child
+    writing on the same end uses memfds of its own."""
+    ctx = mp.get_context("fork")
+    r, w = ctx.Pipe(duplex=False)
+    _send_large(w, 0, 2)  # this process now holds payload memfds of w
+    child = ctx.Process(target=_send_large, args=(w, 1, 8))
+    child.start()
+    sender = threading.Thread(target=_send_large, args=(w, 2, 8), daemon=True)
+    sender.start()
+    time.sleep(0.5)
+    assert sender.is_alive(), "8 large messages unread and the writer never waited"
+    got = [_check(r.recv()) for _ in range(2 + 8 + 8)]
+    sender.join(10)
+    child.join(30)
+    assert child.exitcode == 0
+    for tag, n in ((0, 2), (1, 8), (2, 8)):
+        assert [i for t, i in got if t == tag] == list(range(n))
+    r.close()
+    w.close()

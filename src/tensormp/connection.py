@@ -10,11 +10,15 @@ it, whole or not at all, with its fds attached as ``SCM_RIGHTS`` in the same rec
     fds     = [tokens (ntokens)] [payload memfd, if LARGE] [the message's nfds fds, or one bag]
 
 * A pickle of at most ``INLINE_MAX`` bytes travels inline. A larger one (flag ``LARGE``) is
-  written into a fresh memfd by the sender and only its fd travels: a record never exceeds
+  written into a memfd by the sender and only an fd of it travels: a record never exceeds
   the socket's send buffer, whatever the message's size, and ``put()`` never writes half a
-  message. The receiver ``pread``s it and closes it; the kernel frees the memfd with its last
-  fd, so it is reclaimed when read, and also when its writer dies before sending it, when its
-  reader dies after taking it, or when the record is never read (the socket goes).
+  message. The receiver ``pread``s it and closes it. The fd that travels is a *reader token*
+  (:class:`_Payloads`): the sender reuses the memfd (its pages already allocated) once no
+  token of it is left, that is once the message was read, or its reader died after taking
+  it, or the record was dropped unread with its socket; a sender that dies frees its memfds
+  with its fds, and the kernel frees one still in flight once its reader is done with it.
+  A sender with ``_POOL_COUNT`` (4) large messages unread on one end waits for the oldest to
+  be read: the back-pressure a stream socket's buffer gives, and a bound on memory in flight.
 * More fds than fit in one record (253 with the tokens and the payload) travel in a bag (flag
   ``BAG``, ``_fdpass.py``).
 * Tokens (``_ledger.py``) are a queue's slot and task units; ``slot`` is the slot's number (so
@@ -32,9 +36,10 @@ no listener thread or fetch at unpickle time is needed. For non-root users the k
 fds a user may have in flight (``ETOOMANYREFS``); a send that hits the cap waits for
 receivers to drain (``_fdpass.sendmsg``).
 
-``INLINE_MAX`` (64 KiB) was measured: a record costs the same as a stream write up to there,
-and a 212,992-byte default send buffer (``net.core.wmem_default``) then still holds three of
-the largest records, while a memfd costs a fixed ~10 us (create, write, read, close).
+``INLINE_MAX`` (64 KiB): measured, a record up to there costs what a stream write of the same
+bytes costs, a receive buffer of that size costs nothing more per ``recvmsg`` than a 512-byte
+one (a 140,000-byte one costs 5x: glibc maps it), and the 212,992-byte default send buffer
+(``net.core.wmem_default``; a record may not exceed it) still holds three of the largest.
 
 :class:`Connection` is a drop-in for ``multiprocessing.connection.Connection``: ``send``/
 ``recv`` move arrays as shared-memory handles, ``send_bytes``/``recv_bytes`` are plain bytes,
@@ -44,12 +49,14 @@ the largest records, while a memfd costs a fixed ~10 us (create, write, read, cl
 from __future__ import annotations
 
 import errno
+import fcntl
 import io
 import math
 import os
 import select
 import socket
 import struct
+import threading
 from collections.abc import Sequence
 from multiprocessing import connection as _mpc
 from multiprocessing import reduction as _mpr
@@ -74,6 +81,11 @@ _MSG_CTRUNC = int(socket.MSG_CTRUNC)
 _MSG_TRUNC = int(socket.MSG_TRUNC)
 _MSG_DONTWAIT = int(socket.MSG_DONTWAIT)
 _hooks = _testhooks.armed
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock (LP64 Linux): type, whence, start, len, pid
+_F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
+_F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
+_F_OFD_SETLKW = getattr(fcntl, "F_OFD_SETLKW", 38)
+_POOL_COUNT = 4  # payload memfds per connection end and process (large messages unread)
 
 
 class Record:
@@ -93,17 +105,88 @@ class Record:
         self.tokens = []
 
 
-def _payload_memfd(data: bytes | bytearray | memoryview) -> int:
-    fd = os.memfd_create("tensormp-message", os.MFD_CLOEXEC)
-    try:
-        view = memoryview(data).cast("B")
-        done = 0
-        while done < len(view):
-            done += os.write(fd, view[done:])
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+class _Payloads:
+    """The payload memfds of one connection end in this process (see the module notes).
+
+    A payload is written into a memfd that this end keeps (its pages allocated and faulted
+    after the first use: a large message costs one copy, not a page allocation per 4 KiB).
+    What travels is not that fd but a *reader token*: a fresh open file description of the
+    same memfd holding an OFD read lock on byte 0. The receiver reads through it and closes
+    it; the kernel drops the lock with the last fd of the token, also when the receiver dies
+    or when the record is dropped unread with its socket. A memfd is reused only once no
+    token of it exists (``F_OFD_GETLK``), so a payload is never overwritten while anyone may
+    still read it. At most ``_POOL_COUNT`` memfds per end: a writer with that many large
+    messages unread waits for the oldest to be read (``F_OFD_SETLKW``, a kernel wait that a
+    dying reader ends too), as a write to a full stream socket waits.
+    """
+
+    __slots__ = ("fds", "lock", "pid")
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []  # oldest first
+        self.lock = threading.Lock()
+        self.pid = os.getpid()
+
+    def take(self, block: bool) -> int:
+        """A memfd whose previous payload nobody reads any more (waiting for one if all
+        ``_POOL_COUNT`` are being read and ``block``); -1 when not ``block`` and none is."""
+        if self.pid != os.getpid():  # a fork child: those memfds are its parent's to reuse
+            self.fds, inherited = [], self.fds
+            self.pid = os.getpid()
+            self.lock = threading.Lock()
+            _fdpass.close_all(inherited)
+        with self.lock:
+            fds = self.fds
+            for k, fd in enumerate(fds):
+                got = fcntl.fcntl(fd, _F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, 0, 0, 1, 0))
+                if _FLOCK.unpack(got)[0] == fcntl.F_UNLCK:
+                    del fds[k]
+                    return fd
+            if len(fds) < _POOL_COUNT:
+                return os.memfd_create("tensormp-message", os.MFD_CLOEXEC)
+            if not block:
+                return -1
+            fd = fds.pop(0)
+        try:  # the oldest: its reader is the next to be done
+            fcntl.fcntl(fd, _F_OFD_SETLKW, _FLOCK.pack(fcntl.F_WRLCK, 0, 0, 1, 0))
+            fcntl.fcntl(fd, _F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, 0, 0, 1, 0))
+        except BaseException:
+            self.give_back(fd)
+            raise
+        return fd
+
+    def give_back(self, fd: int) -> None:
+        with self.lock:
+            self.fds.append(fd)
+
+    def write(self, data: bytes | bytearray | memoryview, block: bool) -> tuple[int, int]:
+        """Write ``data`` into a memfd; ``(reader token to send, memfd)``, or ``(-1, -1)``
+        when not ``block`` and every memfd is still being read."""
+        fd = self.take(block)
+        if fd < 0:
+            return -1, -1
+        try:
+            view = memoryview(data).cast("B")
+            if os.fstat(fd).st_size > len(view):
+                os.ftruncate(fd, len(view))  # keep no more memory than the last payload
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], done)
+            token = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                fcntl.fcntl(token, _F_OFD_SETLK, _FLOCK.pack(fcntl.F_RDLCK, 0, 0, 1, 0))
+            except BaseException:
+                os.close(token)
+                raise
+        except BaseException:
+            self.give_back(fd)
+            raise
+        return token, fd
+
+    def close(self) -> None:
+        fds, self.fds = self.fds, []
+        if self.pid == os.getpid():
+            _fdpass.close_all(fds)
 
 
 def _pread_all(fd: int, length: int) -> bytes:
@@ -136,6 +219,7 @@ class Connection(_mpc.Connection):
         super().__init__(handle, readable, writable)
         self._sock = socket.socket(fileno=handle)
         self._sock.setblocking(True)
+        self._payloads: _Payloads | None = None
 
     def _poll(self, timeout: float | None) -> bool:
         # One poll object per connection instead of the stdlib's selector per call (which
@@ -157,6 +241,9 @@ class Connection(_mpc.Connection):
         sock = self.__dict__.pop("_sock", None)
         if sock is not None:
             sock.close()
+        payloads = self.__dict__.pop("_payloads", None)
+        if payloads is not None:
+            payloads.close()
 
     # -- records ------------------------------------------------------------------------------
     def write_record(
@@ -199,11 +286,17 @@ class Connection(_mpc.Connection):
             return True
         kind = 0
         payload = -1
+        memfd = -1
         bag = -1
         try:
             record_fds = list(tokens)
             if n > INLINE_MAX:
-                payload = _payload_memfd(data)
+                payloads = self._payloads
+                if payloads is None:
+                    payloads = self._payloads = _Payloads()
+                payload, memfd = payloads.write(data, block)
+                if payload < 0:
+                    return False
                 record_fds.append(payload)
                 kind |= LARGE
                 data = b""
@@ -222,7 +315,8 @@ class Connection(_mpc.Connection):
                 return False
         finally:
             if payload >= 0:
-                os.close(payload)
+                os.close(payload)  # the token: the kernel holds it in flight now, if sent
+                self._payloads.give_back(memfd)  # type: ignore[union-attr]
             if bag >= 0:
                 os.close(bag)
         if _hooks:
