@@ -39,8 +39,6 @@ from .spawn import (
 )
 from .strategies import get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy
 
-__version__ = "0.1.0"
-
 _STDLIB_NAMES = [name for name in _mp.__all__ if name != "get_context"]
 globals().update((name, getattr(_default_context, name)) for name in _STDLIB_NAMES)
 
@@ -59,7 +57,21 @@ _LAZY = {
 }
 
 
+def _version() -> str:
+    """The installed distribution's version (importlib.metadata costs ~10-70 ms to import, so
+    ``tensormp.__version__`` is resolved on first use, not at ``import tensormp``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tensormp")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "0+unknown"
+
+
 def __getattr__(name: str) -> _Any:
+    if name == "__version__":
+        value = globals()["__version__"] = _version()
+        return value
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'tensormp' has no attribute {name!r}")
@@ -71,7 +83,7 @@ def __getattr__(name: str) -> _Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | {"__version__"})
 
 
 __all__ = [  # noqa: PLE0604 - the stdlib names are added below
