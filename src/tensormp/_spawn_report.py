@@ -15,9 +15,9 @@ end as a ``Process`` argument. Only the child writes; each message is one datagr
   a memfd before the message is sent (a SIGKILL while writing leaves no message, never half a
   message). The payload is text (type, message, traceback) capped by the child
   (``_MAX_TRACEBACK``), so a truncated one is still readable.
-* ``R`` + ``<QI`` payload length, fd count, fds ``[payload, array fds...]``, then ``F``
-  messages with the fds beyond the first batch: the return value, pickled with tensormp's
-  reducers (arrays cross as shared memory).
+* ``R`` + ``<QI`` payload length, fd count, fds ``[payload, array fds...]`` (more than 252
+  array fds travel in one bag, ``_fdpass.py``: still one datagram): the return value, pickled
+  with tensormp's reducers (arrays cross as shared memory).
 
 The child never blocks on the channel: each rank sends at most a few small datagrams, far below
 the socket buffer, and payloads go into memfds. The parent reads only after the child has
@@ -36,14 +36,13 @@ This module imports nothing heavy (no numpy, no torch): spawn children import th
 
 from __future__ import annotations
 
-import array
 import os
 import socket
 import struct
 import sys
 from typing import Any, NamedTuple
 
-from . import _crash_log
+from . import _crash_log, _fdpass
 
 __all__ = [
     "ErrorReport",
@@ -60,13 +59,10 @@ __all__ = [
 _TAG_STARTED = b"S"
 _TAG_ERROR = b"E"
 _TAG_RESULT = b"R"
-_TAG_FDS = b"F"
 _ERROR_HEAD = struct.Struct("<Q")
 _RESULT_HEAD = struct.Struct("<QI")
-_MAX_FDS = 253  # SCM_MAX_FD
 _MAX_DATAGRAM = 64
-_ANC_SPACE = socket.CMSG_SPACE(_MAX_FDS * 4)
-_MAX_MESSAGES = 4096  # at most 1 + 1 + ceil(fds / 253) are legitimate
+_MAX_MESSAGES = 16  # at most 3 are legitimate
 _MAX_REPORT_BYTES = 1 << 20  # the parent reads at most this much of an error report
 _MAX_MESSAGE_CHARS = 8 << 10  # the child keeps this much of an exception message ...
 _MAX_TRACEBACK = 256 << 10  # ... and of its traceback (head and tail)
@@ -87,8 +83,7 @@ def _memfd_with(data: bytes | bytearray | memoryview, name: str) -> int:
 
 
 def _send(sock: socket.socket, head: bytes, fds: list[int]) -> None:
-    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-    sock.sendmsg([head], anc)
+    _fdpass.sendmsg(sock, [head], fds)
 
 
 def _clip(text: str, limit: int) -> str:
@@ -203,7 +198,7 @@ def send_error(sock: socket.socket, exc: BaseException, context: str = "") -> No
 
 
 def send_result(sock: socket.socket, result: Any) -> None:
-    """Child: send ``fn``'s return value (``R``, then ``F`` for fds beyond the first batch).
+    """Child: send ``fn``'s return value (``R``; fds beyond one record travel in a bag).
 
     Raises:
         ConnectionError: the parent closed its end.
@@ -213,14 +208,15 @@ def send_result(sock: socket.socket, result: Any) -> None:
 
     msg = reducers.dumps(result)
     fd = _memfd_with(msg.data, "tensormp-return-value")
+    bag = -1
     try:
-        fds = [fd, *msg.fds]
+        attach, bag = _fdpass.pack(msg.fds, _fdpass.MAX_FDS - 1)
         head = _TAG_RESULT + _RESULT_HEAD.pack(len(msg.data), len(msg.fds))
-        _send(sock, head, fds[:_MAX_FDS])
-        for start in range(_MAX_FDS, len(fds), _MAX_FDS):
-            _send(sock, _TAG_FDS, fds[start : start + _MAX_FDS])
+        _send(sock, head, [fd, *attach])
     finally:
         os.close(fd)
+        if bag >= 0:
+            os.close(bag)
         del msg  # the kernel holds the fds in flight now
 
 
@@ -271,16 +267,11 @@ def _recv(sock: socket.socket) -> tuple[bytes, list[int]] | None:
     """One datagram without blocking, or None when there is none (or EOF)."""
     try:
         data, anc, flags, _ = sock.recvmsg(
-            _MAX_DATAGRAM, _ANC_SPACE, socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC
+            _MAX_DATAGRAM, _fdpass.ANC_SPACE, socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC
         )
     except (BlockingIOError, InterruptedError):
         return None
-    fds: list[int] = []
-    for level, kind, payload in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            got = array.array("i")
-            got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
-            fds.extend(got)
+    fds = _fdpass.fds_of(anc)
     if not data and not fds:
         return None  # EOF
     if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
@@ -308,8 +299,6 @@ def read_channel(sock: socket.socket) -> ChannelReport:
     Never raises for bad input: whatever cannot be read is described in ``report.note``.
     """
     report = ChannelReport()
-    pending_fds = 0
-    result_fds: list[int] = []
     for _ in range(_MAX_MESSAGES):
         try:
             got = _recv(sock)
@@ -320,10 +309,6 @@ def read_channel(sock: socket.socket) -> ChannelReport:
             break
         data, fds = got
         tag, body = data[:1], data[1:]
-        if tag == _TAG_FDS and pending_fds > 0:
-            result_fds.extend(fds)
-            pending_fds -= len(fds)
-            continue
         if tag == _TAG_STARTED and len(fds) == 1 and not report.started:
             report.started = True
             report._crash_fd = fds[0]
@@ -342,29 +327,25 @@ def read_channel(sock: socket.socket) -> ChannelReport:
                     )
             finally:
                 os.close(fds[0])
-        elif tag == _TAG_RESULT and len(body) == _RESULT_HEAD.size and fds:
+        elif tag == _TAG_RESULT and len(body) == _RESULT_HEAD.size and fds and report.result is None:
             length, nfds = _RESULT_HEAD.unpack(body)
-            payload_fd, *result_fds = fds
-            pending_fds = nfds - len(result_fds)
+            payload_fd, *attached = fds
             try:
                 if length > os.fstat(payload_fd).st_size:
                     raise OSError(f"{length} bytes announced, fewer written")
                 data = _pread_all(payload_fd, length)
-                report.result = (data, result_fds)
             except OSError as e:
                 report.note = f"the return value could not be read: {e}"
+                _fdpass.close_all(attached)
+            else:
+                try:  # unpack owns the fds: it closes them all on error
+                    report.result = (data, _fdpass.unpack(attached, nfds, _fdpass.MAX_FDS - 1))
+                except OSError as e:
+                    report.note = f"the return value lost some of its file descriptors: {e}"
             finally:
                 os.close(payload_fd)
         else:
             report.note = report.note or f"unexpected message {data[:16]!r} on the report channel"
             for fd in fds:
                 os.close(fd)
-    if report.result is None:
-        for fd in result_fds:
-            os.close(fd)
-    elif pending_fds != 0:
-        report.note = "the return value lost some of its file descriptors"
-        for fd in report.result[1]:
-            os.close(fd)
-        report.result = None
     return report
