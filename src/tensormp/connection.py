@@ -160,16 +160,16 @@ class Connection(_mpc.Connection):
     def _recv_message(self, wait: bool = True) -> Any:
         """One message's ``(bytes, fds)``; with ``wait`` False, None when none has arrived."""
         sock = self._sock
+        # Nothing to flush before waiting: holds and releases go out within 50 ms on the
+        # release timer (memory/release.py), blocked or not. So a blocking read goes straight
+        # to the kernel (no MSG_DONTWAIT probe first: one syscall less per idle wait).
         try:
             head, anc, flags, _ = sock.recvmsg(
-                _HEADER.size, _ANC_SPACE, _MSG_CMSG_CLOEXEC | _MSG_DONTWAIT
+                _HEADER.size, _ANC_SPACE,
+                _MSG_CMSG_CLOEXEC if wait else _MSG_CMSG_CLOEXEC | _MSG_DONTWAIT,
             )
         except BlockingIOError:
-            if not wait:
-                return None
-            # Nothing to flush before waiting: holds and releases go out within 50 ms on the
-            # release timer (memory/release.py), blocked or not.
-            head, anc, flags, _ = sock.recvmsg(_HEADER.size, _ANC_SPACE, _MSG_CMSG_CLOEXEC)
+            return None
         lost = bool(flags & _MSG_CTRUNC)
         fds = _fds_of(anc) if anc else []
         try:
