@@ -6,7 +6,7 @@ Callers' threads (and imap feeders) touch the task deque and the state, under ``
 wake the manager through an eventfd, only when it may be asleep with nothing to do (a manager
 waiting for a worker's answer re-reads the deque when it comes). The manager thread owns the rest
 (once the constructor has started the first workers): it starts replacement workers, pickles and
-sends tasks (at most two per worker), reads results and runs the result sinks (callbacks
+sends tasks (a few per worker: see "Prefetch"), reads results and runs the result sinks (callbacks
 included), reaps dead workers, fails or requeues their tasks, and at the end stops the workers
 and closes every fd.
 
@@ -20,6 +20,16 @@ what goes in without blocking, else it leaves the task to the manager as before.
 still comes back through the manager, which reads every channel. Tasks carrying blocks of ours
 (arrays: the worker must be registered as their holder first), large ones, and pools with
 ``maxtasksperchild`` always go through the manager.
+
+*Prefetch.* A worker whose tasks are tiny would sleep and be woken once per task, as would the
+manager, if it held only the task it runs: on 2 cores that costs more than the tasks (the
+stdlib's shared queue holds every task at once, so its workers never wait). So the manager keeps
+up to ``depth`` small tasks queued in a worker's channel, ``depth`` chosen so that they add up
+to about ``_PREFETCH_BUDGET`` seconds of run time (the worker measures each call; a moving
+average; at least 2, at most ``_MAX_DEPTH``): tasks of a millisecond or more keep the old "one running, one queued",
+while thousands of microsecond tasks stream. A worker's queue gets another task only while more
+tasks wait than there are workers, so an idle worker is always served first. Tasks that carry
+our shared memory (pinned while queued) or are large are queued at most one deep.
 :class:`_Worker` is its record of one worker. What a worker's death does to its tasks, and who
 frees which shared memory, is in the package's design note (``__init__.py``).
 """
@@ -47,6 +57,9 @@ _RUN, _CLOSE, _TERMINATE = "RUN", "CLOSE", "TERMINATE"  # the engine's states (P
 _WAKE, _CONN, _SENTINEL = 0, 1, 2  # what a polled fd is
 _PREFETCH_MAX_BYTES = 64 << 10  # never queue a bigger message behind a running task (nor send
 # one from a caller's thread)
+_PREFETCH_BUDGET = 0.002  # seconds of tasks queued in a worker's channel (see "Prefetch")
+_MAX_DEPTH = 32  # tasks in a worker's channel at most (the one it runs included)
+_EMA = 0.25  # weight of the newest sample in a worker's time per task
 _TERM_GRACE = 2.0  # seconds from SIGTERM to SIGKILL in terminate()
 _STOP_GRACE = 5.0  # seconds a worker told to stop (close()) may take to exit before SIGKILL
 _REAP_TIMEOUT = 5.0  # seconds to wait for the exit status of a worker whose sentinel fired
@@ -58,7 +71,8 @@ _MAX_STARTUP_FAILURES = 3  # workers killed by a signal before ready, in a row, 
 class _Worker:
     __slots__ = (
         "process", "conn", "crash_fd", "pid", "ready", "assigned", "outstanding", "eof",
-        "retiring", "stopping", "dying", "init_error", "gone", "stop_deadline",
+        "retiring", "stopping", "dying", "init_error", "gone", "stop_deadline", "per_task",
+        "depth",
     )
 
     def __init__(self, process: Any, conn: Any, crash_fd: int) -> None:
@@ -76,6 +90,17 @@ class _Worker:
         self.init_error: BaseException | None = None
         self.gone = False
         self.stop_deadline: float | None = None
+        self.per_task = -1.0  # seconds a task runs, a moving average (-1: none ran yet)
+        self.depth = 2  # tasks it may hold (see "Prefetch")
+
+    def timed(self, seconds: float) -> None:
+        """A task ran ``seconds``: update the moving average and the depth."""
+        per = self.per_task = seconds if self.per_task < 0 else (
+            self.per_task + _EMA * (seconds - self.per_task)
+        )
+        self.depth = _MAX_DEPTH if per * _MAX_DEPTH <= _PREFETCH_BUDGET else max(
+            2, int(_PREFETCH_BUDGET / per)
+        )
 
 
 class _Engine:
@@ -104,7 +129,9 @@ class _Engine:
         self._broken_error = broken_error
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # feeders wait here for the deque to drain
-        self._room_limit = 4 * processes + 4
+        # Tasks an imap feeder may queue here: a few per worker, or as many as the workers'
+        # queues hold when their tasks are tiny (one feeder wake-up per half of it).
+        self._min_room = self._room_limit = 4 * processes + 4
         self._room_waiters = 0
         self._send_lock = threading.Lock()  # writes to workers' channels (see "Direct send")
         self._direct = maxtasks is None
@@ -119,6 +146,7 @@ class _Engine:
         self.workers: list[_Worker] = []
         self._startup_failures = 0
         self._last_liveness = time.monotonic()
+        self._answers: list[tuple[_Task, bool, Any]] = []  # read, not yet delivered
         self._poller = select.poll()
         self._fdmap: dict[int, tuple[int, _Worker | None]] = {}
         self._wake_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
@@ -174,19 +202,12 @@ class _Engine:
                 self._wake_locked()
 
     def _send_direct(self, task: _Task, feeder: bool) -> bool:
-        """Send ``task`` from the caller's thread to an idle worker: True when it was sent (or
-        cancelled); False to leave it to the manager (see "Direct send" above)."""
-        idle = None
-        for w in self.workers:
-            if w.ready and not (w.outstanding or w.eof or w.stopping or w.retiring):
-                idle = w
-                break
-        if idle is None:
+        """Send ``task`` from the caller's thread to a worker that can take it now: True when
+        it was sent (or its future was cancelled); False to leave it to the manager (see
+        "Direct send" above)."""
+        target = self._room_for(None)
+        if target is None:
             return False
-        if task.start is not None:
-            start, task.start = task.start, None
-            if not start():  # a future cancelled before it was sent
-                return True
         task.seq = next(self._seq)
         try:
             msg = reducers.dumps((task.seq, task.fn.wire, task.kind, task.args))
@@ -194,29 +215,54 @@ class _Engine:
             return False
         task.msg = msg
         if msg.noted or len(msg.data) > _PREFETCH_MAX_BYTES:
-            return False  # the manager sends it, pickled already
+            return False  # the manager sends it (pickled already)
         if not self._send_lock.acquire(blocking=False):
             return False
         try:
             state = self._state
-            if (
-                self._broken_msg is not None
-                or not (state == _RUN or (feeder and state == _CLOSE))
-                or idle.outstanding or idle.eof or idle.stopping or idle.retiring or idle.gone
+            if self._broken_msg is not None or not (
+                state == _RUN or (feeder and state == _CLOSE)
             ):
                 return False
-            idle.outstanding.append(task)  # before the answer can arrive
+            if self._room_for(msg) is not target:
+                target = self._room_for(msg)  # the manager sent meanwhile: look again
+                if target is None:
+                    return False
+            if task.start is not None:
+                start, task.start = task.start, None
+                if not start():  # a future cancelled before it was sent
+                    msg.abandon()
+                    task.msg = None
+                    return True
+            target.outstanding.append(task)  # before the answer can arrive
             try:
-                sent = idle.conn.try_send_message(msg)
+                sent = target.conn.try_send_message(msg)
             except OSError:  # the worker is gone: the manager will see it
                 sent = False
             if not sent:
-                idle.outstanding.pop()
+                target.outstanding.pop()
                 return False
-            idle.assigned += 1
+            target.assigned += 1
             return True
         finally:
             self._send_lock.release()
+
+    def _room_for(self, msg: reducers.Message | None) -> _Worker | None:
+        """A worker a caller's thread may send a task to now: an idle one, else the least
+        loaded one whose tasks are known to be short (depth over 2: queued work stays within
+        the prefetch budget) when the message carries no fds. ``msg`` None: not pickled yet."""
+        best = None
+        for w in self.workers:
+            if not w.ready or w.eof or w.stopping or w.retiring or w.gone:
+                continue
+            held = len(w.outstanding)
+            if held == 0:
+                return w
+            if w.depth > 2 and held < w.depth and (best is None or held < len(best.outstanding)):
+                best = w
+        if best is not None and msg is not None and msg.fds:
+            return None
+        return best
 
     def feeder_started(self) -> None:
         """Raises: as :meth:`check_running` (checked under the lock, so the manager cannot
@@ -418,32 +464,35 @@ class _Engine:
                 )
                 return
 
-    def _on_readable(self, w: _Worker, drain: bool = False) -> None:
-        """Read one message from ``w`` (every message it sent, with ``drain``). One is enough
-        while it lives: poll() says again if more wait, and the deque gets a look in between
-        (the worker is sent its next task sooner; no extra poll(0) per message)."""
-        while not w.eof:
-            try:
-                reply = w.conn.recv()
-            except FdLimitError as e:  # that message was dropped; the channel stays usable
-                self._fail_oldest(w, e)
-            except (EOFError, OSError):
-                self._channel_closed(w)
-                return
-            except Exception as e:  # noqa: BLE001 - a result the parent cannot unpickle
-                if hasattr(e, "add_note"):
-                    e.add_note(f"({self.owner}: loading a task's result in the parent)")
-                self._fail_oldest(w, e)
-            else:
-                self._handle(w, reply)
-            if not drain:
-                return
-            try:
-                if not w.conn.poll(0):
+    def _on_readable(self, w: _Worker) -> None:
+        """Read every message ``w`` has sent so far, then hand out the answers.
+
+        A non-blocking read is the probe for the next message (no poll(0) per message). The
+        answers go out together, after the reads: a caller waiting on them is woken once per
+        batch, not once per result (each wake-up of a thread that then wants our GIL costs two
+        context switches on a busy machine)."""
+        try:
+            while not w.eof:
+                try:
+                    got = w.conn._recv_message(wait=False)
+                    if got is None:
+                        return
+                    reply = reducers.loads(*got)
+                except FdLimitError as e:  # that message was dropped; the channel stays usable
+                    self._fail_oldest(w, e)
+                except (EOFError, OSError):
+                    self._channel_closed(w)
                     return
-            except OSError:
-                self._channel_closed(w)
-                return
+                except Exception as e:  # noqa: BLE001 - a result the parent cannot unpickle
+                    if hasattr(e, "add_note"):
+                        e.add_note(f"({self.owner}: loading a task's result in the parent)")
+                    self._fail_oldest(w, e)
+                else:
+                    self._handle(w, reply)
+        finally:
+            answers, self._answers = self._answers, []
+            for task, ok, value in answers:
+                self._deliver(task, ok, value)
 
     def _channel_closed(self, w: _Worker) -> None:
         with self._send_lock:
@@ -455,13 +504,17 @@ class _Engine:
     def _handle(self, w: _Worker, reply: Any) -> None:
         tag = reply[0]
         if tag == _RESULT:
-            _, seq, ok, value = reply
+            _, seq, ok, value, seconds = reply
             if not w.outstanding or (seq is not None and w.outstanding[0].seq != seq):
                 raise RuntimeError(
                     f"worker {w.pid} answered task #{seq}, expected "
                     f"{w.outstanding[0].seq if w.outstanding else 'none'}"
                 )
-            self._deliver(w.outstanding.popleft(), ok, value)
+            depth = w.depth
+            w.timed(seconds)
+            if w.depth != depth:
+                self._room_limit = max(self._min_room, sum(x.depth for x in self.workers))
+            self._answers.append((w.outstanding.popleft(), ok, value))
         elif tag == _READY:
             w.ready = True
             self._startup_failures = 0
@@ -472,7 +525,7 @@ class _Engine:
 
     def _fail_oldest(self, w: _Worker, error: BaseException) -> None:
         if w.outstanding:
-            self._deliver(w.outstanding.popleft(), False, error)
+            self._answers.append((w.outstanding.popleft(), False, error))
 
     def _on_exit(self, w: _Worker) -> None:
         if w.gone:
@@ -480,7 +533,7 @@ class _Engine:
         if not w.eof:
             try:
                 if w.conn.poll(0):
-                    self._on_readable(w, drain=True)  # results sent before it died count
+                    self._on_readable(w)  # results sent before it died are delivered
             except OSError:
                 pass
         code = self._reap(w)
@@ -595,32 +648,53 @@ class _Engine:
 
     # -- tasks ------------------------------------------------------------------------------
     def _dispatch(self) -> None:
+        """Send pending tasks to workers that can take them. Small tasks without fds bound
+        for the same worker in one round go as one message (a batch: one ``sendmsg``, one
+        GIL release, instead of one per task); the worker still answers each on its own."""
+        while True:
+            planned: dict[_Worker, list[_Task]] = {}
+            try:
+                drained = self._plan(planned)
+            finally:
+                for w, tasks in planned.items():
+                    self._send_tasks(w, tasks)
+            with self._lock:
+                if not drained:  # we wait for a worker's answer (or exit), and look again then
+                    self._asleep = False
+                    return
+                if self._pending:  # submitted while we sent
+                    continue
+                self._asleep = self._hungry()
+                return
+
+    def _plan(self, planned: dict[_Worker, list[_Task]]) -> bool:
+        """Take pending tasks for the workers (into ``planned``, or sent at once when they
+        cannot be batched) until none is left (True) or no worker can take the next (False)."""
+        batching = self._maxtasks is None
         while True:
             with self._lock:
                 npending = len(self._pending)
-                # Nothing to send: a submit must wake us. Otherwise we wait for a worker's
-                # answer (or exit), and look at the deque again then.
-                self._asleep = not npending
             if not npending:
-                return
+                return True
             idle = busy = None
+            busy_held = 0
             for w in self.workers:
                 if not w.ready or w.eof or w.stopping or w.retiring:
                     continue
-                if len(w.outstanding) == 0:
+                held = len(w.outstanding) + len(planned.get(w, ()))
+                if held == 0:
                     idle = w
                     break
-                if busy is None and len(w.outstanding) == 1:
-                    busy = w
+                if held < w.depth and (busy is None or held < busy_held):
+                    busy, busy_held = w, held  # the least loaded
             if idle is None and (busy is None or npending < len(self.workers)):
-                return
+                return False
             with self._lock:
                 if not self._pending:
-                    self._asleep = True
-                    return
+                    return True
                 task = self._pending.popleft()
-                if self._room_waiters:
-                    self._room.notify_all()
+                if self._room_waiters and len(self._pending) <= self._room_limit // 2:
+                    self._room.notify_all()  # feeders refill half the room at once
             if task.start is not None:
                 start, task.start = task.start, None
                 if not start():  # cancelled while it waited
@@ -630,12 +704,35 @@ class _Engine:
             msg = self._pickle(task)
             if msg is None:
                 continue
-            target = idle if idle is not None else busy
-            if idle is None and len(msg.data) > _PREFETCH_MAX_BYTES:
-                with self._lock:  # a big message waits for an idle worker (no deadlock)
+            target: _Worker = idle if idle is not None else busy  # type: ignore[assignment]
+            heavy = bool(msg.fds or msg.noted)
+            if idle is None and (
+                len(msg.data) > _PREFETCH_MAX_BYTES or (busy_held > 1 and heavy)
+            ):
+                with self._lock:  # it waits for an idle (or less loaded) worker: no deadlock
                     self._pending.appendleft(task)
-                return
-            self._send(target, task)  # type: ignore[arg-type]
+                return False
+            batch = planned.setdefault(target, [])
+            batch.append(task)
+            if not batching or heavy or sum(len(t.msg.data) for t in batch) > _PREFETCH_MAX_BYTES:  # type: ignore[union-attr]
+                # sent now, after what was planned for that worker (in order)
+                del planned[target]
+                self._send_tasks(target, batch)
+
+    def _hungry(self) -> bool:
+        """With nothing pending: must a submit wake us? Not while every worker holds at least
+        half its depth (at least one task): its next answer wakes us, and we look at the deque
+        then, so tasks submitted one by one are sent in bursts (an imap feeder does not hand
+        each task to this thread). Conservative when unsure: a wake too many costs a syscall,
+        one too few a hang."""
+        usable = False
+        for w in self.workers:
+            if not w.ready or w.eof or w.stopping or w.retiring:
+                continue
+            usable = True
+            if len(w.outstanding) < max(1, w.depth // 2):
+                return True
+        return not usable
 
     def _pickle(self, task: _Task) -> reducers.Message | None:
         if task.msg is not None:
@@ -656,8 +753,17 @@ class _Engine:
             return None
         return task.msg
 
-    def _send(self, w: _Worker, task: _Task) -> None:
-        msg = task.msg
+    def _send_tasks(self, w: _Worker, tasks: list[_Task]) -> None:
+        """Send ``tasks`` (pickled) to ``w``: one message, or a batch of fd-less ones."""
+        if len(tasks) == 1:
+            msg = tasks[0].msg
+        else:
+            heavy = tasks[-1].msg
+            if heavy is not None and (heavy.fds or heavy.noted):  # a batch, then that one
+                self._send_tasks(w, tasks[:-1])
+                self._send_tasks(w, tasks[-1:])
+                return
+            msg = reducers.dumps([t.msg.data for t in tasks])  # type: ignore[union-attr]
         assert msg is not None
         if msg.noted:
             # The worker holds one handle to each of our blocks in the message (it sends no
@@ -673,12 +779,13 @@ class _Engine:
                 failed = True
             else:
                 failed = False
-                w.outstanding.append(task)
-                w.assigned += 1
+                w.outstanding.extend(tasks)
+                w.assigned += len(tasks)
         if failed:
-            task.msg = None  # registered to that worker: pickle anew for another
+            for task in tasks:
+                task.msg = None  # registered to that worker: pickle anew for another
             with self._lock:
-                self._pending.appendleft(task)
+                self._pending.extendleft(reversed(tasks))
             self._channel_closed(w)
             return
         if self._maxtasks is not None and w.assigned >= self._maxtasks:
