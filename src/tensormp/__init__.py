@@ -20,33 +20,30 @@ if not sys.platform.startswith("linux"):  # pragma: no cover - platform gate
         )
 
 import multiprocessing as _mp
+import types as _types
 from typing import Any as _Any
 
-from .connection import Connection
-from .context import _default_context, get_context
 from .errors import FdLimitError, HandleError, SharedMemoryError, TensormpError
-from .spawn import (
-    ProcessContext,
-    ProcessException,
-    ProcessExitedException,
-    ProcessFailure,
-    ProcessRaisedException,
-    ProcessTimeoutError,
-    SpawnBootstrapError,
-    SpawnContext,
-    spawn,
-    start_processes,
-)
-from .strategies import get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy
 
 __version__ = "0.1.0"
 
 _STDLIB_NAMES = [name for name in _mp.__all__ if name != "get_context"]
-globals().update((name, getattr(_default_context, name)) for name in _STDLIB_NAMES)
 
-# Names that need numpy are loaded on first use, so that a child process that never touches
-# an array (a spawn() rank, a Pool worker) does not pay numpy's import (~130 ms).
+# Every other name is loaded on first use (PEP 562), so that a child imports only what it
+# uses: a spawn child re-imports the main module, and so tensormp, before it runs anything.
+# A Process child loads tensormp.context (its Process class) and nothing of spawn(), of
+# tensormp's Connection (and the stdlib's multiprocessing.connection, tempfile, shutil...),
+# of numpy (~130 ms), of the pools. The stdlib names (Process, Queue, Pool...) are the default
+# context's, as in multiprocessing.
 _LAZY = {
+    "get_context": "context", "Connection": "connection",
+    "spawn": "spawn", "start_processes": "spawn", "ProcessContext": "spawn",
+    "SpawnContext": "spawn", "ProcessException": "spawn", "ProcessRaisedException": "spawn",
+    "ProcessExitedException": "spawn", "ProcessTimeoutError": "spawn", "ProcessFailure": "spawn",
+    "SpawnBootstrapError": "spawn",
+    "get_all_sharing_strategies": "strategies", "get_sharing_strategy": "strategies",
+    "set_sharing_strategy": "strategies",
+    # Names that need numpy: a child that never touches an array does not import it.
     "share": "arrays", "is_shared": "arrays", "empty": "arrays", "zeros": "arrays",
     "ones": "arrays", "full": "arrays", "empty_like": "arrays", "zeros_like": "arrays",
     "ones_like": "arrays", "full_like": "arrays",
@@ -59,19 +56,38 @@ _LAZY = {
 }
 
 
+class _Package(_types.ModuleType):
+    """This package's module type: ``tensormp.spawn`` stays the function (as
+    ``torch.multiprocessing.spawn``) when the import system binds the submodule
+    ``tensormp/spawn.py`` here on its first import (which, lazily, may come after)."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "spawn" and isinstance(value, _types.ModuleType):
+            value = value.spawn
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
 def __getattr__(name: str) -> _Any:
     module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tensormp' has no attribute {name!r}")
-    import importlib
+    if module is not None:
+        import importlib
 
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+        value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    elif name in _STDLIB_NAMES:
+        from .context import _default_context
+
+        value = getattr(_default_context, name)
+    else:
+        raise AttributeError(f"module 'tensormp' has no attribute {name!r}")
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_STDLIB_NAMES))
 
 
 __all__ = [  # noqa: PLE0604 - the stdlib names are added below
