@@ -282,8 +282,9 @@ class _Engine:
             self._feeders -= 1
             self._wake_locked()
 
-    def wait_room(self) -> bool:
-        """A feeder waits until few tasks are queued; False when the pool was terminated."""
+    def wait_room(self) -> int:
+        """A feeder waits until few tasks are queued: how many more it may queue now (at least
+        1), or 0 when the pool was terminated."""
         with self._room:
             while (
                 len(self._pending) >= self._room_limit
@@ -295,7 +296,9 @@ class _Engine:
                     self._room.wait()
                 finally:
                     self._room_waiters -= 1
-            return self._state != _TERMINATE
+            if self._state == _TERMINATE:
+                return 0
+            return max(1, self._room_limit - len(self._pending))
 
     def take_pending(self) -> list[_Task]:
         """Remove and return every task not sent yet (``shutdown(cancel_futures=True)``)."""
@@ -671,6 +674,7 @@ class _Engine:
         """Take pending tasks for the workers (into ``planned``, or sent at once when they
         cannot be batched) until none is left (True) or no worker can take the next (False)."""
         batching = self._maxtasks is None
+        planned_bytes: dict[_Worker, int] = {}
         while True:
             with self._lock:
                 npending = len(self._pending)
@@ -714,9 +718,10 @@ class _Engine:
                 return False
             batch = planned.setdefault(target, [])
             batch.append(task)
-            if not batching or heavy or sum(len(t.msg.data) for t in batch) > _PREFETCH_MAX_BYTES:  # type: ignore[union-attr]
+            size = planned_bytes[target] = planned_bytes.get(target, 0) + len(msg.data)
+            if not batching or heavy or size > _PREFETCH_MAX_BYTES:
                 # sent now, after what was planned for that worker (in order)
-                del planned[target]
+                del planned[target], planned_bytes[target]
                 self._send_tasks(target, batch)
 
     def _hungry(self) -> bool:
