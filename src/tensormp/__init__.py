@@ -25,8 +25,6 @@ from typing import Any as _Any
 
 from .errors import FdLimitError, HandleError, SharedMemoryError, TensormpError
 
-__version__ = "0.1.0"
-
 _STDLIB_NAMES = [name for name in _mp.__all__ if name != "get_context"]
 
 # Every other name is loaded on first use (PEP 562), so that a child imports only what it
@@ -49,7 +47,7 @@ _LAZY = {
     "ones_like": "arrays", "full_like": "arrays",
     "memory_stats": "memory", "empty_cache": "memory", "set_cache_limit": "memory",
     "get_cache_limit": "memory",
-    # Pool itself is the context's (a stdlib name, set above); these load tensormp.pool / tensormp.futures.
+    # Pool itself is the default context's (a stdlib name); these load tensormp.pool / futures.
     "WorkerLostError": "pool", "BrokenPoolError": "pool",
     "ProcessPoolExecutor": "futures", "TerminatedWorkerError": "futures",
     "BrokenExecutorError": "futures",
@@ -70,7 +68,21 @@ class _Package(_types.ModuleType):
 sys.modules[__name__].__class__ = _Package
 
 
+def _version() -> str:
+    """The installed distribution's version (importlib.metadata costs ~10-70 ms to import, so
+    ``tensormp.__version__`` is resolved on first use, not at ``import tensormp``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tensormp")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "0+unknown"
+
+
 def __getattr__(name: str) -> _Any:
+    if name == "__version__":
+        value = globals()["__version__"] = _version()
+        return value
     module = _LAZY.get(name)
     if module is not None:
         import importlib
@@ -87,7 +99,7 @@ def __getattr__(name: str) -> _Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY) | set(_STDLIB_NAMES))
+    return sorted(set(globals()) | set(_LAZY) | set(_STDLIB_NAMES) | {"__version__"})
 
 
 __all__ = [  # noqa: PLE0604 - the stdlib names are added below
