@@ -20,25 +20,36 @@ if not sys.platform.startswith("linux"):  # pragma: no cover - platform gate
         )
 
 import multiprocessing as _mp
-import types as _types
 from typing import Any as _Any
 
 from .errors import FdLimitError, HandleError, SharedMemoryError, TensormpError
+
+# Imported here, not on first use: the import system binds a submodule as an attribute of its
+# package when it is first loaded, so a later `import tensormp.spawn` (by any module) would
+# turn `tensormp.spawn`, the function, into the module. spawn.py imports nothing heavy.
+from .spawn import (
+    ProcessContext,
+    ProcessException,
+    ProcessExitedException,
+    ProcessFailure,
+    ProcessRaisedException,
+    ProcessTimeoutError,
+    SpawnBootstrapError,
+    SpawnContext,
+    spawn,
+    start_processes,
+)
 
 _STDLIB_NAMES = [name for name in _mp.__all__ if name != "get_context"]
 
 # Every other name is loaded on first use (PEP 562), so that a child imports only what it
 # uses: a spawn child re-imports the main module, and so tensormp, before it runs anything.
-# A Process child loads tensormp.context (its Process class) and nothing of spawn(), of
-# tensormp's Connection (and the stdlib's multiprocessing.connection, tempfile, shutil...),
-# of numpy (~130 ms), of the pools. The stdlib names (Process, Queue, Pool...) are the default
+# A Process child loads tensormp.context (its Process class) and nothing of tensormp's
+# Connection (and the stdlib's multiprocessing.connection, tempfile, shutil...), of numpy
+# (~130 ms), of the pools. The stdlib names (Process, Queue, Pool...) are the default
 # context's, as in multiprocessing.
 _LAZY = {
     "get_context": "context", "Connection": "connection",
-    "spawn": "spawn", "start_processes": "spawn", "ProcessContext": "spawn",
-    "SpawnContext": "spawn", "ProcessException": "spawn", "ProcessRaisedException": "spawn",
-    "ProcessExitedException": "spawn", "ProcessTimeoutError": "spawn", "ProcessFailure": "spawn",
-    "SpawnBootstrapError": "spawn",
     "get_all_sharing_strategies": "strategies", "get_sharing_strategy": "strategies",
     "set_sharing_strategy": "strategies",
     # Names that need numpy: a child that never touches an array does not import it.
@@ -52,20 +63,6 @@ _LAZY = {
     "ProcessPoolExecutor": "futures", "TerminatedWorkerError": "futures",
     "BrokenExecutorError": "futures",
 }
-
-
-class _Package(_types.ModuleType):
-    """This package's module type: ``tensormp.spawn`` stays the function (as
-    ``torch.multiprocessing.spawn``) when the import system binds the submodule
-    ``tensormp/spawn.py`` here on its first import (which, lazily, may come after)."""
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name == "spawn" and isinstance(value, _types.ModuleType):
-            value = value.spawn
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 def _version() -> str:
