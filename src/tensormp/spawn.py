@@ -822,6 +822,14 @@ def spawn(
     Keyword arguments (``timeout``, ``grace_period``, ``return_values``, ``distributed``) are
     those of :func:`start_processes`.
 
+    Beyond one machine (torch.distributed.elastic; see :mod:`tensormp.elastic`): under
+    ``torchrun`` this process is one rank already, so spawn() starts no process and runs
+    ``fn(LOCAL_RANK, *args)`` here (``nprocs`` must be torchrun's ``LOCAL_WORLD_SIZE``). With
+    ``nnodes=N, rdzv_endpoint="host:port"`` (plus ``rdzv_id=None``, ``max_restarts=0``,
+    ``rdzv_timeout=600``, ``monitor_interval=0.1``, ``local_addr=None``), the same call on N
+    machines forms one job of ``N * nprocs`` ranks through torch's c10d rendezvous;
+    ``fn(local_index, *args)`` runs in each; a failure of any rank raises on every node.
+
     Example::
 
         def train(rank, weights):          # weights: a shared numpy array
@@ -848,5 +856,10 @@ def spawn(
             FutureWarning,
             stacklevel=2,
         )
+    if "nnodes" in kwargs or os.environ.get("TORCHELASTIC_RUN_ID"):  # beyond one machine
+        from . import elastic
+
+        if "nnodes" in kwargs or elastic.under_torchrun():
+            return elastic.spawn(fn, tuple(args), nprocs, join, **kwargs)
     return start_processes(fn, args, nprocs, join, daemon, start_method="spawn", **kwargs)
 
