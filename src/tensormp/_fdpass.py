@@ -16,7 +16,7 @@ For non-root users the kernel caps the fds a user may have in flight (``ETOOMANY
 sender's ``RLIMIT_NOFILE``); :func:`sendmsg` waits for receivers to drain and retries, as a
 write to a full pipe waits, up to ``INFLIGHT_TIMEOUT`` seconds.
 
-Users: ``connection.py`` (every tensormp channel) and ``_child.py`` (a spawn rank's return
+Users: ``connection.py`` (every tensormp channel) and ``_spawn_report.py`` (a spawn rank's return
 value).
 """
 

@@ -58,7 +58,6 @@ import time
 import warnings
 from collections.abc import Sequence
 from contextlib import contextmanager
-from multiprocessing import connection as _mpc
 from multiprocessing import process as _mpprocess
 from typing import Any, NamedTuple
 
@@ -363,7 +362,11 @@ class ProcessContext:
         """Wait up to ``timeout`` for at least one rank to exit, and reap those that did."""
         if self._blind:
             timeout = _BLIND_POLL if timeout is None else min(timeout, _BLIND_POLL)
-        ready = _mpc.wait(list(self.sentinels), timeout)
+        # Imported here: multiprocessing.connection loads tempfile, shutil, bz2, lzma, random
+        # (milliseconds), and `import tensormp` (every spawn child's) loads this module.
+        from multiprocessing.connection import wait
+
+        ready = wait(list(self.sentinels), timeout)
         for sentinel in ready:
             self._reap(self.sentinels.pop(sentinel))
         for index in list(self._blind):
