@@ -429,6 +429,22 @@ class Connection(_mpc.Connection):
             msg.abandon()
             raise
 
+    def try_send_message(self, msg: reducers.Message) -> bool:
+        """Send ``msg`` only if the socket takes it now without blocking: True when sent, False
+        when nothing was written because the socket is full (or, for a payload over
+        ``INLINE_MAX``, every payload memfd of this end is still unread). Used by the Pool's
+        callers to send a task without waking the manager thread.
+
+        Raises:
+            OSError: ``ETOOMANYREFS`` (too many fds in flight for this user: nothing was
+                written; :meth:`send_message` waits for receivers), or the socket failed.
+        """
+        reducers.flush_release_records()  # holds reach creators before our results do
+        if not self.write_record(msg.data, msg.fds, block=False):
+            return False
+        msg.sent()
+        return True
+
     def send_message(self, msg: reducers.Message) -> None:
         """Send an already pickled :class:`~tensormp.reducers.Message` (blocks while the
         socket is full)."""
