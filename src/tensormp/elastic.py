@@ -75,7 +75,8 @@ from datetime import timedelta
 from itertools import count
 from typing import TYPE_CHECKING, Any
 
-from . import _child
+from . import _parent_death, _spawn_report
+from ._by_value import FnByValue
 from .spawn import (
     ProcessException,
     ProcessExitedException,
@@ -202,8 +203,7 @@ def _here(kind: str) -> dict[str, Any]:
 
 
 def _raised(exc: BaseException) -> dict[str, Any]:
-    payload = _child._encode_report(exc, "")
-    report = _child._decode_report(payload, len(payload))
+    report = _spawn_report.error_report(exc)
     return {
         **_here("raised"),
         "type": report.type,
@@ -485,7 +485,7 @@ def spawn_under_torchrun(
 class _Job:
     """What every worker gets (pickled by torch's start method)."""
 
-    fn: Any  # fn, or _child.FnByValue
+    fn: Any  # fn, or FnByValue
     args: tuple[Any, ...]
     store_host: str
     store_port: int
@@ -495,8 +495,8 @@ class _Job:
 
 def _worker(job: _Job) -> Any:
     """The entrypoint torch.distributed.elastic starts ``nprocs`` times per node."""
-    _child._set_pdeathsig(_child._PARENT_DEATH_SIGNAL)  # the launcher's death ends us
-    fn = job.fn.load() if isinstance(job.fn, _child.FnByValue) else job.fn
+    _parent_death.arm_pdeathsig()  # the launcher's death ends us
+    fn = job.fn.load() if isinstance(job.fn, FnByValue) else job.fn
     exchange = _Exchange(job.store_host, job.store_port, job.run_id)
     try:
         return _run_rank(fn, job.args, exchange, job.timeout)

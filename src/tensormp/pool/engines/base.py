@@ -124,8 +124,9 @@ class QueueEngine:
             self._feeders -= 1
             self._wake_locked()
 
-    def wait_room(self) -> bool:
-        """A feeder waits until few tasks are queued; False when the pool was terminated."""
+    def wait_room(self) -> int:
+        """A feeder waits until few tasks are queued: how many more it may queue now (at least
+        1), or 0 when the pool was terminated."""
         with self._room:
             while (
                 len(self._pending) >= self._room_limit
@@ -133,7 +134,9 @@ class QueueEngine:
                 and self._broken_msg is None
             ):
                 self._room.wait()
-            return self._state != _TERMINATE
+            if self._state == _TERMINATE:
+                return 0
+            return max(1, self._room_limit - len(self._pending))
 
     def take_pending(self) -> list[_Task]:
         """Remove and return every task not sent yet (``shutdown(cancel_futures=True)``)."""
