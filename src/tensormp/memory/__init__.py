@@ -1,16 +1,20 @@
-"""Shared memory: memfd segments, the caching sub-allocator, and block lifetimes."""
+"""Shared memory: segments, the caching sub-allocator, and block lifetimes.
 
-from .allocator import (
-    Block,
-    allocate,
-    attach,
-    empty_cache,
-    find_block,
-    get_cache_limit,
-    memory_stats,
-    set_cache_limit,
-)
-from .segment import Segment
+Layers, each importing only those below it (and ``errors``, ``liveness``):
+
+* ``segment.py``: one shared-memory file and its mapping (strategies build on it);
+* ``release.py``: the release channel between receivers and a segment's creator;
+* ``strategies/`` (a sibling package): how segments are made and cross processes;
+* ``allocator.py``: blocks, the caching sub-allocator, holds and idle foreign mappings.
+
+Names are loaded on first use: importing ``tensormp.memory.release`` or ``.segment`` does not
+import numpy (the allocator does).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = [
     "Block",
@@ -23,3 +27,19 @@ __all__ = [
     "memory_stats",
     "set_cache_limit",
 ]
+
+_LAZY = {name: "allocator" for name in __all__}
+_LAZY["Segment"] = "segment"
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

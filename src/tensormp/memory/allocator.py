@@ -62,6 +62,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import strategies
 from . import release
 from .segment import PAGE_SIZE, WIRE_SIZE, Segment, format_bytes, unpack_wire
 
@@ -104,6 +105,11 @@ def _env_cache_limit() -> int:
             f"TENSORMP_CACHE_BYTES={raw!r} is not a byte count; set it to a non-negative integer"
         ) from None
     return value
+
+
+def _new_segment(size: int, kind: str) -> Segment:
+    """A new segment of at least ``size`` bytes, made by the current sharing strategy."""
+    return strategies.current().create(max(PAGE_SIZE, -(-size // PAGE_SIZE) * PAGE_SIZE), kind)
 
 
 class _RootRef(weakref.ref):
@@ -205,7 +211,7 @@ class _Allocator:
         else:
             arena = self.current.get(size)
             if arena is None or arena.bumped == arena.nslots:
-                seg = Segment.create(self._next_arena_bytes(size), "arena")
+                seg = _new_segment(self._next_arena_bytes(size), "arena")
                 arena = _Arena(seg, size, seg.size // size)
                 self.arenas[seg.id] = arena
                 self.current[size] = arena
@@ -234,7 +240,7 @@ class _Allocator:
             self.cached_bytes -= best.size
             seg = best
         else:
-            seg = Segment.create(size, "large")
+            seg = _new_segment(size, "large")
         self.in_use_bytes += seg.size
         return Block(seg, 0, seg.size, owned=True)
 
@@ -357,11 +363,13 @@ def _drain() -> None:
             _lock.release()
 
 
-def _root_died(ref: _RootRef) -> None:
-    if _exiting or sys.is_finalizing():
+def _root_died(ref: _RootRef, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+    if _exiting or _finalizing():
         # Roots dying while the interpreter shuts down: everything this process received was
         # released by process_exiting(), and the kernel unmaps the rest. Doing more here would
-        # run on half-torn-down modules (or start a thread, which hangs at shutdown).
+        # run on half-torn-down modules (or start a thread, which hangs at shutdown). This
+        # module's globals may be cleared already (``_exiting`` is then None): the check
+        # uses nothing else of them.
         return
     _pending.append(ref)
     while _pending and _lock.acquire(False):  # as _drain()
@@ -666,9 +674,7 @@ def process_exiting() -> None:
     fork child inherited them. The cleanup daemon takes the rest once nobody maps them."""
     global _exiting
     release_all_received()
-    client = sys.modules.get("tensormp.strategies._client")
-    if client is not None and getattr(client, "_ready", False):
-        client.flush()
+    strategies.flush_pending()
     server = _allocator.server
     if server is not None and _allocator.pid == os.getpid():
         server.drain()
@@ -677,15 +683,8 @@ def process_exiting() -> None:
         pid = os.getpid()
         held = {seg_id for seg_id, _offset in _allocator.remote_held}
         for seg in list(_segments.values()):
-            if (
-                seg.name
-                and seg.creator_pid == pid
-                and seg.id not in held
-                and seg.id not in _forked_segments
-            ):
-                from ..strategies import file_system
-
-                file_system.unlink(seg.name)
+            if seg.creator_pid == pid and seg.id not in held and seg.id not in _forked_segments:
+                seg.strategy.remove(seg)  # its name, if it has one
 
 
 def _make_root_locked(block: Block) -> np.ndarray:
@@ -827,7 +826,7 @@ def forget_received(owner_addr: bytes, seg_id: bytes, offset: int, creator_pid: 
 
 def attach(
     wire: bytes,
-    take_fd: Callable[[int | str], int],
+    take_fd: Callable[[int], int],
     fd_ref: int | str,
     offset: int,
     capacity: int,
@@ -847,8 +846,8 @@ def attach(
     try:
         seg = _segments.get(seg_id)
         if seg is None or seg.buffer is None:
-            seg_id, size, creator_pid, kind, owner_addr = unpack_wire(wire)
-            seg = Segment.attach(seg_id, take_fd(fd_ref), size, creator_pid, kind)
+            seg_id, size, creator_pid, kind, code, owner_addr = unpack_wire(wire)
+            seg = strategies.by_code(code).attach(seg_id, fd_ref, size, creator_pid, kind, take_fd)
             seg.owner_addr = owner_addr
             _segments[seg_id] = seg
         else:
@@ -931,10 +930,7 @@ def flush_records() -> None:
         with _locked:
             _announce_holds_locked()
             release.post_flush()
-    client = sys.modules.get("tensormp.strategies._client")
-    # getattr: the module may be half-imported in another thread (sys.modules has it early).
-    if client is not None and getattr(client, "_ready", False) and client.has_pending():
-        client.flush()
+    strategies.flush_pending()
 
 
 def memory_stats() -> dict[str, int]:
@@ -1048,7 +1044,7 @@ def _after_fork_in_parent() -> None:
     try:
         for block in _root_blocks.values():
             block.pinned = True
-        _forked_segments.update(s.id for s in _segments.values() if s.name)
+        _forked_segments.update(_segments)
         _fork_acquired.clear()
     finally:
         _lock.release()

@@ -37,12 +37,16 @@ import sys
 import threading
 from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import HandleError
+from ..memory import release
+
+if TYPE_CHECKING:
+    from ..strategies.base import Strategy
 
 __all__ = [
-    "Message", "dumps", "loads", "register", "current_message", "take_fd", "note_named",
+    "Message", "dumps", "loads", "register", "current_message", "take_fd", "note_counted",
     "flush_release_records",
     "process_args_parent", "current_process_args_parent",
 ]
@@ -129,14 +133,16 @@ class Message:
             message alive until it is sent.
     """
 
-    __slots__ = ("data", "fds", "keepalive", "noted", "named", "_index", "_undo")
+    __slots__ = ("data", "fds", "keepalive", "noted", "counted", "_index", "_undo")
 
     def __init__(self) -> None:
         self.data = b""
         self.fds: list[int] = []
         self.keepalive: list[object] = []
         self.noted: list[object] = []  # this process's own blocks a handle was counted for
-        self.named: set[str] | None = None  # named segments (file_system strategy) it refers to
+        # Segment names it refers to, by strategy, for strategies that count handles (the
+        # file_system strategy's cleanup daemon): told when the message is sent.
+        self.counted: dict[Strategy, set[str]] | None = None
         self._index: dict[object, int] | None = None
         self._undo: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
 
@@ -161,18 +167,8 @@ class Message:
         if self._undo:
             self.abandon()
 
-    def add_fd(self, fd: int, key: object, owner: object) -> int | str:
-        """Attach ``fd`` (owned by ``owner``; deduplicated by ``key``); returns its index.
-
-        A named segment (``owner.name`` set: the ``file_system`` strategy) travels by name
-        instead: no fd is attached and the name is returned; :func:`take_fd` accepts either.
-        """
-        name = getattr(owner, "name", None)
-        if name and isinstance(name, str):
-            if self.named is None:
-                self.named = set()
-            self.named.add(name)
-            return name
+    def add_fd(self, fd: int, key: object, owner: object) -> int:
+        """Attach ``fd`` (owned by ``owner``; deduplicated by ``key``); returns its index."""
         if self._index is None:
             self._index = {}
         index = self._index.get(key)
@@ -181,6 +177,18 @@ class Message:
             self.fds.append(fd)
             self.keepalive.append(owner)
         return index
+
+    def add_counted(self, strategy: Strategy, name: str) -> str:
+        """A handle refers to segment ``name`` of ``strategy``, which counts the messages
+        carrying it (``Strategy.counts_handles``); returns ``name``."""
+        counted = self.counted
+        if counted is None:
+            counted = self.counted = {}
+        refs = counted.get(strategy)
+        if refs is None:
+            refs = counted[strategy] = set()
+        refs.add(name)
+        return name
 
     def __repr__(self) -> str:
         return f"<Message {len(self.data)} bytes, {len(self.fds)} fds>"
@@ -193,13 +201,10 @@ class _Pickler(pickle.Pickler):
     dispatch_table: dict[type, Any] = {}
 
 
-def flush_release_records() -> None:
-    """Send this process's queued hold/release records now (``memory/release.py``), if the
-    allocator is loaded, and fully: another thread may be importing it. Called before
-    sending a message, so creators learn who holds what before any reply can come back."""
-    allocator = sys.modules.get("tensormp.memory.allocator")
-    if allocator is not None and getattr(allocator, "_ready", False):
-        allocator.flush_records()
+# Send this process's queued hold/release records now (``memory/release.py``; nothing before
+# the allocator is loaded). Called before sending a message, so creators learn who holds what
+# before any reply can come back. The function itself, not a wrapper: it runs per message.
+flush_release_records = release.flush
 
 
 def current_message() -> Message | None:
@@ -233,13 +238,13 @@ def dumps(obj: object) -> Message:
         finally:
             pickler.clear_memo()  # the memo refers to what was pickled: keep nothing alive
         msg.data = buf.getvalue()
-        if msg.named:
-            # Tell the cleanup daemon before the message can leave (file_system strategy).
-            from ..strategies import _client
-
-            names = list(msg.named)
-            _client.sent(names)
-            msg.on_abandon(_client.received, names)
+        if msg.counted:
+            # Tell the strategy before the message can leave (the file_system strategy tells
+            # its cleanup daemon).
+            for strategy, refs in msg.counted.items():
+                names = list(refs)
+                strategy.sent(names)
+                msg.on_abandon(strategy.received, names)
     except BaseException:
         msg.abandon()
         raise
@@ -249,12 +254,12 @@ def dumps(obj: object) -> Message:
 
 
 class _Received:
-    __slots__ = ("fds", "taken", "named")
+    __slots__ = ("fds", "taken", "counted")
 
     def __init__(self, fds: list[int]) -> None:
         self.fds = fds
         self.taken = [False] * len(fds) if fds else []
-        self.named: set[str] = set()
+        self.counted: dict[Strategy, set[str]] | None = None
 
     def take(self, index: int) -> int:
         if not 0 <= index < len(self.fds) or self.taken[index]:
@@ -283,19 +288,19 @@ def current_process_args_parent() -> int:
     return getattr(_tls, "process_args_parent", 0)
 
 
-def note_named(ref: int | str) -> None:
-    """Inside a rebuild function: the handle refers to segment ``ref`` (an fd index, or a
-    named segment's name, whose receipt the cleanup daemon is told about after the rebuild)."""
-    if type(ref) is str:
-        stack = getattr(_tls, "loading", None)
-        if stack:
-            stack[-1].named.add(ref)
+def note_counted(strategy: Strategy, name: str) -> None:
+    """Inside a rebuild function: the handle refers to segment ``name`` of ``strategy``, which
+    counts handles (``Strategy.counts_handles``) and is told after the rebuild."""
+    stack = getattr(_tls, "loading", None)
+    if stack:
+        received = stack[-1]
+        if received.counted is None:
+            received.counted = {}
+        received.counted.setdefault(strategy, set()).add(name)
 
 
-def take_fd(index: int | str) -> int:
-    """Inside a rebuild function: take ownership of the message's fd number ``index``, or
-    open the named segment ``index`` (a ``str``: the ``file_system`` strategy; the fd returned
-    then carries the name, see ``memory.segment.NamedFd``).
+def take_fd(index: int) -> int:
+    """Inside a rebuild function: take ownership of the message's fd number ``index``.
 
     Raises:
         HandleError: called outside :func:`loads` (the pickle did not come through a tensormp
@@ -308,13 +313,7 @@ def take_fd(index: int | str) -> int:
             "file descriptors are missing; send it through a tensormp Queue, Pipe or Process "
             "argument, or call tensormp.reducers.loads(data, fds)"
         )
-    if type(index) is str:
-        from ..memory.segment import NamedFd
-        from ..strategies import file_system
-
-        stack[-1].named.add(index)
-        return NamedFd(file_system.open_named(index), index)
-    return stack[-1].take(index)  # type: ignore[arg-type]
+    return stack[-1].take(index)
 
 
 def loads(data: bytes | bytearray | memoryview, fds: list[int]) -> Any:
@@ -336,8 +335,7 @@ def loads(data: bytes | bytearray | memoryview, fds: list[int]) -> Any:
     # load tensormp's torch support now, before the worker makes its first batch.
     if "torch" in modules:
         _register_torch()
-    if received.named:  # the arrays are mapped now: the daemon may stop counting them in flight
-        from ..strategies import _client
-
-        _client.received(received.named)
+    if received.counted:  # the arrays are mapped now: the strategy may stop counting them
+        for strategy, refs in received.counted.items():
+            strategy.received(refs)
     return obj

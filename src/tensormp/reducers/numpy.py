@@ -35,13 +35,14 @@ from ..memory.allocator import (
     forget_received,
     note_handle,
 )
-from ..memory.segment import unpack_wire
+from ..memory.segment import STRATEGY_AT, unpack_wire
+from ..strategies import counting
 from . import (
     NDARRAY_EXT,
     current_message,
     current_process_args_parent,
     mark_loaded,
-    note_named,
+    note_counted,
     register,
     register_extension,
     take_fd,
@@ -131,7 +132,7 @@ def reduce_ndarray(a: np.ndarray) -> Any:
         msg.keepalive.append(root)
     return rebuild_ndarray, (
         seg.wire(owner_addr),
-        msg.add_fd(seg.fd, seg.id, seg),
+        seg.strategy.reference(msg, seg),
         block.offset,
         block.capacity,
         offset,
@@ -155,8 +156,6 @@ def rebuild_ndarray(
     readonly: bool,
     token: int = 0,
 ) -> np.ndarray:
-    if type(fd_ref) is str:
-        note_named(fd_ref)
     # A Process argument from our parent's own memory: the parent registered us as holder.
     parent = current_process_args_parent()
     announce = token != 0 or not parent or unpack_wire(wire)[2] != parent
@@ -165,9 +164,13 @@ def rebuild_ndarray(
     except Exception:
         # This handle will never be held here: give the creator its count back, or the block
         # would stay pinned there until it exits.
-        seg_id, _size, creator_pid, _kind, owner_addr = unpack_wire(wire)
+        seg_id, _size, creator_pid, _kind, _code, owner_addr = unpack_wire(wire)
         forget_received(owner_addr, seg_id, block_offset, creator_pid)
         raise
+    if counting:  # the segment's strategy (loaded: the segment is mapped) counts handles
+        strategy = counting.get(wire[STRATEGY_AT])
+        if strategy is not None:
+            note_counted(strategy, fd_ref)  # type: ignore[arg-type]
     a = np.ndarray(shape, dtype, root, offset, strides)
     if readonly:
         a.flags.writeable = False

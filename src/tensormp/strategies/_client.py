@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterable
 
 from ..errors import TensormpError
-from . import _daemon
+from . import _daemon, add_flusher
 from . import file_system as fs
 
 __all__ = [
@@ -292,6 +292,12 @@ def _after_fork_in_child() -> None:
         _sock = None
 
 
+def _flush_if_pending() -> None:
+    if _pending:
+        flush()
+
+
 os.register_at_fork(after_in_child=_after_fork_in_child)
 atexit.register(flush)
-_ready = True  # fully imported (other modules look it up in sys.modules)
+# Last: a flusher registered once this module is complete (no other module probes for it).
+add_flusher(_flush_if_pending)
