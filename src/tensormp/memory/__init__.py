@@ -5,7 +5,12 @@ Layers, each importing only those below it (and ``errors``, ``liveness``):
 * ``segment.py``: one shared-memory file and its mapping (strategies build on it);
 * ``release.py``: the release channel between receivers and a segment's creator;
 * ``strategies/`` (a sibling package): how segments are made and cross processes;
-* ``allocator.py``: blocks, the caching sub-allocator, holds and idle foreign mappings.
+* ``blocks.py``: a block of a segment and its root (the array every view leads back to);
+* ``arenas.py``: the caching sub-allocator (size-class arenas, cached large segments);
+* ``foreign.py``: the cache of idle mappings of other processes' segments, and its reaper;
+* ``holds.py``: hold accounting, the two ends of the release protocol inside a process;
+* ``state.py``: ``MemoryState``, all of the above for one process (replaced whole at fork);
+* ``allocator.py``: the public functions over the current state, exit and fork.
 
 Names are loaded on first use: importing ``tensormp.memory.release`` or ``.segment`` does not
 import numpy (the allocator does).

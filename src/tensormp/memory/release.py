@@ -27,7 +27,7 @@ from the kernel (``SCM_CREDENTIALS``), never from the record:
   been counted (an early arrival is remembered and cancels the acquire when it comes), so the
   count can never reach zero while the forwarder's view is out.
 
-Holds are announced lazily: a rebuild only notes the block (``allocator._unannounced``); the
+Holds are announced lazily: a rebuild only notes the block (``MemoryState.unannounced``); the
 ``H`` records go out when this process sends a message, exits, or at the latest
 ``_OUTBOX_AGE`` after the rebuild (a timer thread, which also runs while the main thread waits
 for the next message). A handle dropped before

@@ -43,6 +43,7 @@ from ..errors import SharedMemoryError
 
 if TYPE_CHECKING:
     from ..strategies.base import Strategy
+    from .blocks import RootRef
 
 __all__ = ["Segment", "format_bytes", "available_memory", "WIRE_SIZE", "STRATEGY_AT", "unpack_wire"]
 
@@ -83,7 +84,7 @@ def _map(fd: int, size: int) -> int:
     if addr is None or addr == _MAP_FAILED:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
-    return addr
+    return int(addr)
 
 
 _POPULATE_SPLIT = 64 << 20  # segments at least this large are populated by several threads
@@ -247,7 +248,7 @@ class Segment:
         self.view: memoryview | None = memoryview(self.buffer).cast("B")
         self._wire: tuple[bytes, bytes] | None = None
         # block offset -> weakref of the live root array of that block in this process
-        self.roots: dict[int, object] = {}
+        self.roots: dict[int, RootRef] = {}
 
     def wire(self, owner_addr: bytes) -> bytes:
         """This segment as a handle carries it, with ``owner_addr`` as release address
