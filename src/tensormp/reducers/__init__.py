@@ -21,9 +21,16 @@ Numpy arrays put on a plain ``multiprocessing.Queue`` keep being pickled by valu
 own queues, pipes, pools and processes always use tensormp's reducers, whether torch (which
 does patch the global pickler) was imported before or after tensormp. The only global
 registration is for tensormp's own ``Connection`` type, which the stdlib could not pickle.
-Reducers for torch tensors and storages (``reducers/torch.py``) are registered the first time
-tensormp pickles something while ``torch`` is in ``sys.modules``, or when a process receives a
-tensor: a process that never touches torch never imports it.
+
+The array libraries (:data:`LIBRARIES`, the one table of them): each maps to a reducer module
+(``reducers/numpy.py``, ``reducers/torch.py``) that registers its reduce functions here
+(:func:`register`) and its rebuild functions' extension codes, and to a helpers module with
+``handles``/``share``/``is_shared`` for the public ``tensormp.share`` and ``is_shared``
+(``arrays.py`` dispatches through :func:`helpers_for`). A library's modules are loaded the
+first time tensormp pickles something while the library is in ``sys.modules``, or when a
+process receives one of its arrays: tensormp never imports an array library itself, and a
+process that never touches torch never imports it. A new array library (CuPy, JAX...) is one
+reducer module plus one line in the table.
 """
 
 from __future__ import annotations
@@ -36,8 +43,9 @@ import pickle
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from ..errors import HandleError
 from ..memory import release
@@ -47,6 +55,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Message", "dumps", "loads", "register", "current_message", "take_fd", "note_counted",
+    "ArrayLibrary", "LIBRARIES", "helpers_for",
     "flush_release_records",
     "process_args_parent", "current_process_args_parent",
 ]
@@ -60,8 +69,45 @@ _PROTOCOL = pickle.HIGHEST_PROTOCOL
 # receiver must have imported the function's module first: loads() does when the message holds
 # the code. The codes are far from the ranges PEP 307 assigns; a clash raises at import.
 NDARRAY_EXT = 0x746D7001
-_EXT_MODULES = {NDARRAY_EXT: "tensormp.reducers.numpy"}
-_EXT_MARKERS = [(b"\x84" + code.to_bytes(4, "little"), module) for code, module in _EXT_MODULES.items()]
+
+
+class ArrayHelpers(Protocol):
+    """What a library's helpers module offers ``tensormp.share``/``is_shared``."""
+
+    def handles(self, obj: object) -> bool: ...
+
+    def share(self, obj: Any) -> Any: ...
+
+    def is_shared(self, obj: Any) -> bool: ...
+
+
+@dataclass(frozen=True)
+class ArrayLibrary:
+    """One array library whose arrays tensormp moves through shared memory.
+
+    Attributes:
+        module: the library's top-level module (``"numpy"``).
+        reducers: tensormp's module that registers the library's reduce functions
+            (:func:`register`) and rebuild extension codes, and calls :func:`mark_loaded` last.
+        helpers: the module with ``handles``, ``share`` and ``is_shared`` (:class:`ArrayHelpers`).
+        extensions: the extension codes of its rebuild functions (see above).
+    """
+
+    module: str
+    reducers: str
+    helpers: str
+    extensions: tuple[int, ...] = ()
+
+
+# The table, in dispatch order.
+LIBRARIES: tuple[ArrayLibrary, ...] = (
+    ArrayLibrary("numpy", "tensormp.reducers.numpy", "tensormp.reducers.numpy", (NDARRAY_EXT,)),
+    ArrayLibrary("torch", "tensormp.reducers.torch", "tensormp.torch_utils"),
+)
+_EXT_MARKERS = [
+    (b"\x84" + code.to_bytes(4, "little"), lib.reducers)
+    for lib in LIBRARIES for code in lib.extensions
+]
 
 
 def register_extension(fn: Callable[..., Any], code: int) -> None:
@@ -96,21 +142,44 @@ def mark_loaded(module: str) -> None:
     _loaded.add(module)
 
 
-def _register_torch() -> None:
-    if "torch" in sys.modules and "tensormp.reducers.torch" not in _loaded:
-        # Likewise torch, whichever of torch and tensormp was imported first; tensormp never
-        # imports torch itself. Its tensor reducers win over torch's (see reducers/torch.py).
-        import tensormp.reducers.torch  # noqa: F401
+# (library module, reducer module) of the libraries whose reducers are not loaded yet: checked
+# on every dumps() and after every loads(), so that a library's reducers are registered once the
+# program has imported it, whichever of it and tensormp was imported first.
+_waiting: tuple[tuple[str, str], ...] = tuple((lib.module, lib.reducers) for lib in LIBRARIES)
+
+
+def _load_libraries() -> None:
+    global _waiting
+    modules = sys.modules
+    for module, reducer in _waiting:
+        if module in modules:
+            importlib.import_module(reducer)  # waits for another thread importing it
+            _waiting = tuple(w for w in _waiting if w[1] not in _loaded)
+
+
+_helpers: dict[str, ArrayHelpers] = {}
+
+
+def helpers_for(obj: object) -> ArrayHelpers | None:
+    """The helpers module of the first library in :data:`LIBRARIES` (among those the program
+    has imported) whose ``handles(obj)`` is true, or None."""
+    modules = sys.modules
+    for lib in LIBRARIES:
+        if lib.module in modules:
+            helpers = _helpers.get(lib.helpers)
+            if helpers is None:
+                helpers = _helpers[lib.helpers] = cast(
+                    ArrayHelpers, importlib.import_module(lib.helpers)
+                )
+            if helpers.handles(obj):
+                return helpers
+    return None
 
 
 def _dispatch_table() -> dict[type, Any]:
     global _table_cache
-    modules = sys.modules
-    if "numpy" in modules and "tensormp.reducers.numpy" not in _loaded:
-        # numpy is loaded only when the program uses it: register its reducers then.
-        importlib.import_module("tensormp.reducers.numpy")
-    if "torch" in modules:
-        _register_torch()
+    if _waiting:
+        _load_libraries()
     extra = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
     key = (len(copyreg.dispatch_table), len(extra), len(_reducers))
     cached = _table_cache
@@ -313,12 +382,12 @@ def take_fd(index: int) -> int:
             "file descriptors are missing; send it through a tensormp Queue, Pipe or Process "
             "argument, or call tensormp.reducers.loads(data, fds)"
         )
-    return stack[-1].take(index)
+    received: _Received = stack[-1]
+    return received.take(index)
 
 
 def loads(data: bytes | bytearray | memoryview, fds: list[int]) -> Any:
     """Unpickle a message; owns ``fds`` (each is taken by a rebuild or closed here)."""
-    modules = sys.modules
     for marker, module in _EXT_MARKERS:
         if module not in _loaded and marker in data:
             importlib.import_module(module)
@@ -332,9 +401,9 @@ def loads(data: bytes | bytearray | memoryview, fds: list[int]) -> Any:
         if fds:
             received.close_untaken()
     # torch may have been imported by what we just loaded (a DataLoader worker's arguments):
-    # load tensormp's torch support now, before the worker makes its first batch.
-    if "torch" in modules:
-        _register_torch()
+    # load tensormp's support for it now, before the worker makes its first batch.
+    if _waiting:
+        _load_libraries()
     if received.counted:  # the arrays are mapped now: the strategy may stop counting them
         for strategy, refs in received.counted.items():
             strategy.received(refs)

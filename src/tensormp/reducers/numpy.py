@@ -48,7 +48,7 @@ from . import (
     take_fd,
 )
 
-__all__ = ["reduce_ndarray", "rebuild_ndarray", "copy_to_shared"]
+__all__ = ["reduce_ndarray", "rebuild_ndarray", "copy_to_shared", "handles", "share", "is_shared"]
 
 
 def _copy_to_view(a: np.ndarray, view: memoryview, start: int) -> tuple[int, ...] | None:
@@ -83,7 +83,7 @@ def copy_to_shared(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.ndarray(a.shape, a.dtype, root, 0, strides), root
 
 
-def _dtype_token(dt: np.dtype) -> Any:
+def _dtype_token(dt: np.dtype) -> np.dtype | str:
     # A plain dtype travels as its short string ('<f4'): much cheaper to pickle than the object.
     return dt.str if dt.fields is None and dt.subdtype is None and dt.metadata is None else dt
 
@@ -93,7 +93,7 @@ def _dtype_token(dt: np.dtype) -> Any:
 _tokens: dict[int, tuple[np.dtype, str]] = {}
 
 
-def _token(dt: np.dtype) -> Any:
+def _token(dt: np.dtype) -> np.dtype | str:
     cached = _tokens.get(id(dt))
     if cached is not None:
         return cached[1]
@@ -103,7 +103,7 @@ def _token(dt: np.dtype) -> Any:
     return token
 
 
-def reduce_ndarray(a: np.ndarray) -> Any:
+def reduce_ndarray(a: np.ndarray) -> str | tuple[Any, ...]:
     msg = current_message()
     if msg is None or a.dtype.hasobject:
         return a.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
@@ -150,7 +150,7 @@ def rebuild_ndarray(
     block_offset: int,
     capacity: int,
     offset: int,
-    dtype: Any,
+    dtype: np.dtype | str,
     shape: tuple[int, ...],
     strides: tuple[int, ...] | None,
     readonly: bool,
@@ -171,10 +171,41 @@ def rebuild_ndarray(
         strategy = counting.get(wire[STRATEGY_AT])
         if strategy is not None:
             note_counted(strategy, fd_ref)  # type: ignore[arg-type]
-    a = np.ndarray(shape, dtype, root, offset, strides)
+    a: np.ndarray = np.ndarray(shape, dtype, root, offset, strides)
     if readonly:
         a.flags.writeable = False
     return a
+
+
+# -- helpers of tensormp.share / is_shared (the reducer table's ``helpers`` for numpy) ---------
+def handles(obj: object) -> bool:
+    """True for numpy arrays (subclasses included)."""
+    return isinstance(obj, np.ndarray)
+
+
+def is_shared(a: np.ndarray) -> bool:
+    """Whether ``a``'s memory is tensormp shared memory (see ``tensormp.is_shared``)."""
+    return find_block(a) is not None
+
+
+def share(a: np.ndarray) -> np.ndarray:
+    """``a`` itself if shared, else a shared copy (see ``tensormp.share``).
+
+    Raises:
+        TypeError: ``a``'s dtype holds Python objects.
+        SharedMemoryError: the memory could not be reserved (an ``OSError``).
+    """
+    if a.dtype.hasobject:
+        raise TypeError(
+            f"cannot share an array of dtype {a.dtype}: it holds Python object pointers, which "
+            "mean nothing in another process; it is pickled by value when sent instead"
+        )
+    if find_block(a) is not None:
+        return a
+    out, _root = copy_to_shared(a)
+    if not a.flags.writeable:
+        out.flags.writeable = False
+    return out
 
 
 register(np.ndarray, reduce_ndarray)

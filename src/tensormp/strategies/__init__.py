@@ -13,6 +13,12 @@
 The strategy decides how *new* segments are made; a receiver rebuilds arrays sent under either
 one. Unlike ``torch.multiprocessing``, the strategy set in a parent also applies in the
 children a tensormp context starts (spawn and forkserver included).
+
+Each strategy is an object (``base.py`` has the interface: create / reference / attach /
+remove): ``file_descriptor.py`` and ``file_system.py``, listed in :data:`_TABLE` with the byte
+that names them in handles. :func:`current` gives the one that makes this process's new
+segments; a segment records the strategy that made it, and a receiver finds it with
+:func:`by_code`. A third strategy is one module and one line in the table.
 """
 
 from __future__ import annotations
