@@ -25,6 +25,7 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info demo_output

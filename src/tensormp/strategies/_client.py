@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from ..errors import TensormpError
 from . import _daemon, add_flusher
@@ -251,7 +252,7 @@ def _flush_locked() -> None:
     _send_locked(packets, must=False)
 
 
-def request(what: str, shm: str | None = None, start: bool = False) -> dict | None:
+def request(what: str, shm: str | None = None, start: bool = False) -> dict[str, Any] | None:
     """Ask the daemon of ``shm`` for ``"STATE"`` or ``"GC"`` on a connection of its own;
     None when no daemon serves it (and ``start`` is False)."""
     import json
