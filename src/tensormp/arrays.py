@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from numpy.typing import DTypeLike
@@ -23,6 +23,7 @@ __all__ = [
 ]
 
 ShapeLike = int | Sequence[int]
+Order = Literal["C", "F"]
 
 
 def _helpers(a: Any, what: str) -> reducers.ArrayHelpers:
@@ -82,7 +83,7 @@ def _shape(shape: ShapeLike) -> tuple[int, ...]:
     return dims
 
 
-def empty(shape: ShapeLike, dtype: DTypeLike = float, order: str = "C") -> np.ndarray:
+def empty(shape: ShapeLike, dtype: DTypeLike = float, order: Order = "C") -> np.ndarray:
     """A new array in shared memory, contents undefined (as ``numpy.empty``).
 
     Args:
@@ -109,11 +110,11 @@ def empty(shape: ShapeLike, dtype: DTypeLike = float, order: str = "C") -> np.nd
     for d in dims:
         nbytes *= d
     root = memory.allocate(nbytes)
-    out: np.ndarray = np.ndarray(dims, dt, buffer=root, order="F" if order == "F" else "C")
+    out: np.ndarray = np.ndarray(dims, dt, buffer=root, order=order)
     return out
 
 
-def zeros(shape: ShapeLike, dtype: DTypeLike = float, order: str = "C") -> np.ndarray:
+def zeros(shape: ShapeLike, dtype: DTypeLike = float, order: Order = "C") -> np.ndarray:
     """A new shared array of zeros (as ``numpy.zeros``); see :func:`empty` for errors.
 
     Every byte is zeroed, padding of structured dtypes included (a recycled block holds old
@@ -125,7 +126,7 @@ def zeros(shape: ShapeLike, dtype: DTypeLike = float, order: str = "C") -> np.nd
     return a
 
 
-def ones(shape: ShapeLike, dtype: DTypeLike = float, order: str = "C") -> np.ndarray:
+def ones(shape: ShapeLike, dtype: DTypeLike = float, order: Order = "C") -> np.ndarray:
     """A new shared array of ones (as ``numpy.ones``); see :func:`empty` for errors."""
     a = empty(shape, dtype, order)
     np.copyto(a, 1, casting="unsafe")  # as numpy.ones (works for void and structured dtypes)
@@ -133,7 +134,7 @@ def ones(shape: ShapeLike, dtype: DTypeLike = float, order: str = "C") -> np.nda
 
 
 def full(
-    shape: ShapeLike, fill_value: Any, dtype: DTypeLike | None = None, order: str = "C"
+    shape: ShapeLike, fill_value: Any, dtype: DTypeLike | None = None, order: Order = "C"
 ) -> np.ndarray:
     """A new shared array filled with ``fill_value`` (as ``numpy.full``); dtype defaults to
     ``numpy.array(fill_value).dtype``. See :func:`empty` for errors."""
@@ -146,9 +147,9 @@ def full(
 
 def _like(
     a: Any, dtype: DTypeLike | None, shape: ShapeLike | None
-) -> tuple[ShapeLike, DTypeLike, str]:
+) -> tuple[ShapeLike, DTypeLike, Order]:
     a = np.asanyarray(a)
-    order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
+    order: Order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
     return (a.shape if shape is None else shape), (a.dtype if dtype is None else dtype), order
 
 

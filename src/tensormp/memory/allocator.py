@@ -74,15 +74,19 @@ __all__ = [
 
 def _root_died(ref: RootRef, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
     st = _state
-    if st is None or st.exiting or _finalizing():
+    if _finalizing() or st.exiting:
         # Roots dying while the interpreter shuts down: everything this process received was
         # released by process_exiting(), and the kernel unmaps the rest. Doing more here would
         # run on half-torn-down modules (or start a thread, which hangs at shutdown). This
-        # module's globals may be cleared already (``_state`` is then None): the check uses
-        # nothing else of them.
+        # module's globals may be cleared already (``_state`` is then None): that happens
+        # only while finalizing, which is checked first.
         return
     st.pending.append(ref)
-    st.drain()
+    while st.pending and st.lock.acquire(False):  # as st.drain(), without a call per root
+        try:
+            st.process_pending()
+        finally:
+            st.lock.release()
 
 
 # The state of this process's allocator (replaced whole in a fork child: see the end).

@@ -178,8 +178,11 @@ def helpers_for(obj: object) -> ArrayHelpers | None:
 
 def _dispatch_table() -> dict[type, Any]:
     global _table_cache
-    if _waiting:
-        _load_libraries()
+    modules = sys.modules
+    for module, _reducer in _waiting:  # as _load_libraries(), without a call per message
+        if module in modules:
+            _load_libraries()
+            break
     extra = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
     key = (len(copyreg.dispatch_table), len(extra), len(_reducers))
     cached = _table_cache

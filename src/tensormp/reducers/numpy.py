@@ -132,7 +132,9 @@ def reduce_ndarray(a: np.ndarray) -> str | tuple[Any, ...]:
         msg.keepalive.append(root)
     return rebuild_ndarray, (
         seg.wire(owner_addr),
-        seg.strategy.reference(msg, seg),
+        # A strategy that keeps the fd is referenced by the fd itself (Strategy.keeps_fd):
+        # attached here without a call to its reference() (the per-array hot path).
+        msg.add_fd(seg.fd, seg.id, seg) if seg.fd >= 0 else seg.strategy.reference(msg, seg),
         block.offset,
         block.capacity,
         offset,

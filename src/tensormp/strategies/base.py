@@ -61,7 +61,10 @@ class Strategy(ABC):
     @abstractmethod
     def reference(self, msg: Message, seg: Segment) -> int | str:
         """What a handle to ``seg`` carries in message ``msg``: the index of an fd attached
-        to the message (``Message.add_fd``), or a name another process can open."""
+        to the message (``Message.add_fd``), or a name another process can open.
+
+        A segment that holds its fd (``keeps_fd``) must be referenced by that fd: the numpy
+        reducer attaches it without calling this method (the per-array hot path)."""
 
     @abstractmethod
     def attach(
