@@ -405,8 +405,11 @@ def loads(data: bytes | bytearray | memoryview, fds: list[int]) -> Any:
             received.close_untaken()
     # torch may have been imported by what we just loaded (a DataLoader worker's arguments):
     # load tensormp's support for it now, before the worker makes its first batch.
-    if _waiting:
-        _load_libraries()
+    modules = sys.modules
+    for module, _reducer in _waiting:  # as _load_libraries(), without a call per message
+        if module in modules:
+            _load_libraries()
+            break
     if received.counted:  # the arrays are mapped now: the strategy may stop counting them
         for strategy, refs in received.counted.items():
             strategy.received(refs)
