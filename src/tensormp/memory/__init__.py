@@ -19,7 +19,20 @@ import numpy (the allocator does).
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what the names below are, for type checkers and the API docs
+    from .allocator import (
+        Block,
+        allocate,
+        attach,
+        empty_cache,
+        find_block,
+        get_cache_limit,
+        memory_stats,
+        set_cache_limit,
+    )
+    from .segment import Segment
 
 __all__ = [
     "Block",
