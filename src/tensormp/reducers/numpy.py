@@ -79,7 +79,7 @@ def _copy_to_view(a: np.ndarray, view: memoryview, start: int) -> tuple[int, ...
 def copy_to_shared(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """One copy of ``a`` in a fresh block: returns ``(copy, root)``; keeps C/F order."""
     root = memory.allocate(a.nbytes)
-    strides = _copy_to_view(a, memoryview(root), 0)
+    strides = _copy_to_view(a, root.data, 0)  # the root's bytes (1-D uint8: format B)
     return np.ndarray(a.shape, a.dtype, root, 0, strides), root
 
 
