@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tensormp-installed
+DOCS_STAMP := $(VENV)/.tensormp-docs-installed
 
-.PHONY: test test-slow demo bench lint clean
+.PHONY: test test-slow demo bench lint docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,9 +24,18 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/transfer.py
 
+$(DOCS_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+# The documentation site, from docs/ and the docstrings (mkdocs.yml), into site/; warnings fail.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info demo_output
+	rm -rf $(VENV) build dist src/*.egg-info demo_output site

@@ -1,7 +1,8 @@
 """Children never outlive their parent: every kind of tensormp child (Process under each start
 method, spawn() ranks, Pool workers, grandchildren, processes started from short-lived
 threads) is gone within 5 s of a SIGKILL of its parent, and no shared-memory segment remains.
-A normally exiting parent keeps the stdlib's semantics (non-daemon children are joined).
+A normally exiting parent keeps the stdlib's semantics (non-daemon children are joined), and
+a process started with ``die_with_parent=False`` outlives its parent as a stdlib child does.
 
 Each test runs a driver script in its own session, reads the pids (and segment names) it
 reports, kills it from outside and watches the machine's process table."""
@@ -21,7 +22,7 @@ import psutil
 import pytest
 
 from conftest import START_METHODS, read_json_lines, wait_for
-from tensormp import _child
+from tensormp import _parent_death
 
 PRELUDE = r"""
 import json, os, signal, sys, threading, time
@@ -265,6 +266,29 @@ def test_normal_exit_keeps_stdlib_semantics(tmp_path):
     assert wait_for(lambda: _gone(json.loads(out)["daemon"]), 5.0)
 
 
+@pytest.mark.parametrize("method", START_METHODS)
+def test_only_opted_out_children_survive_a_killed_parent(tmp_path, method):
+    proc = _driver(tmp_path, """
+        if __name__ == "__main__":
+            ctx = mp.get_context(sys.argv[1])
+            kept = ctx.Process(target=time.sleep, args=(60,), daemon=True, die_with_parent=False)
+            default = ctx.Process(target=time.sleep, args=(60,), daemon=True)
+            kept.start()
+            default.start()
+            emit(kept=kept.pid, default=default.pid)
+            time.sleep(120)
+    """, method)
+    (info,) = _read(proc)
+    try:
+        _kill_parent_and_check(proc, [info["default"]])
+        assert not _gone(info["kept"]), "the opted-out child died with its parent"
+    finally:
+        try:
+            os.kill(info["kept"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_pdeathsig_only_from_the_main_thread():
     # PR_SET_PDEATHSIG is documented to fire when the forking *thread* exits, so start()
     # records where it runs. (The kernel here, 6.18, did not fire it at a thread's exit in a
@@ -274,9 +298,9 @@ def test_pdeathsig_only_from_the_main_thread():
     import tensormp as mp
 
     p = mp.get_context("spawn").Process(target=print)
-    _child.before_start(p)
+    _parent_death.before_start(p)
     assert p._tensormp_main_thread is True
-    t = threading.Thread(target=_child.before_start, args=(p,))
+    t = threading.Thread(target=_parent_death.before_start, args=(p,))
     t.start()
     t.join()
     assert p._tensormp_main_thread is False
@@ -289,7 +313,7 @@ def test_watchdog_catches_a_parent_that_died_before_it_was_armed():
         try:
             os.close(w)
             time.sleep(0.3)  # meanwhile the "parent" closed its end: EOF already
-            _child._watch_parent(r)
+            _parent_death._watch_parent(r)
             time.sleep(5)
         finally:
             os._exit(3)

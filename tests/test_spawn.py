@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+import traceback
 
 import numpy as np
 import psutil
@@ -20,7 +21,8 @@ import pytest
 
 import tensormp as mp
 from conftest import START_METHODS, read_json_lines, wait_for
-from tensormp import _child
+from tensormp import _spawn_rank
+from tensormp import _spawn_report as wire
 
 # -- functions run by the ranks (top level: importable by spawn children) ---------------------
 
@@ -95,19 +97,19 @@ def _unpicklable_result(i):
 
 def _forge(i, kind):
     """Misbehave on the report channel the way a corrupt or dying child could."""
-    sock = _child._channel
+    sock = _spawn_rank._channel
     if kind == "announce_more":
-        fd = _child._memfd_with(b"tensormp-error-report 1\ntype 5\nValue", "forged")
-        _child._send(sock, _child._TAG_ERROR + _child._ERROR_HEAD.pack(1 << 30), [fd])
+        fd = wire._memfd_with(b"tensormp-error-report 1\ntype 5\nValue", "forged")
+        wire._send(sock, wire._TAG_ERROR + wire._ERROR_HEAD.pack(1 << 30), [fd])
     elif kind == "huge":
         fd = os.memfd_create("forged")
         os.ftruncate(fd, 256 << 20)  # 256 MiB of zeros, announced as such
-        _child._send(sock, _child._TAG_ERROR + _child._ERROR_HEAD.pack(256 << 20), [fd])
+        wire._send(sock, wire._TAG_ERROR + wire._ERROR_HEAD.pack(256 << 20), [fd])
     elif kind == "garbage":
-        _child._send(sock, b"\xff" * 60, [])
+        wire._send(sock, b"\xff" * 60, [])
     elif kind == "result_without_fds":
-        fd = _child._memfd_with(b"\x80\x05N.", "forged")
-        _child._send(sock, _child._TAG_RESULT + _child._RESULT_HEAD.pack(4, 5), [fd])
+        fd = wire._memfd_with(b"\x80\x05N.", "forged")
+        wire._send(sock, wire._TAG_RESULT + wire._RESULT_HEAD.pack(4, 5), [fd])
     elif kind == "killed_while_writing":
         fd = os.memfd_create("forged")
         os.write(fd, b"tensormp-error-report 1\ntype 10\nValu")
@@ -206,7 +208,7 @@ def test_return_values_keep_shared_arrays_shared(method):
 
 def test_join_false_context():
     ctx = mp.start_processes(_sleep, args=(0.3,), nprocs=2, join=False, return_values=True)
-    assert isinstance(ctx, mp.ProcessContext) and mp.SpawnContext is mp.ProcessContext
+    assert isinstance(ctx, mp.ProcessContext)
     assert len(set(ctx.pids())) == 2
     assert "running=[0, 1]" in repr(ctx)
     assert ctx.join(timeout=0.01) is False
@@ -246,13 +248,31 @@ def test_spawn_warns_on_other_start_method_like_torch():
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="nprocs"):
-        mp.spawn(_write_rank, nprocs=0)
+        mp.spawn(_write_rank, nprocs=-1)
     with pytest.raises(TypeError, match="callable"):
         mp.spawn(42)
     with pytest.raises(ValueError, match="timeout"):
         mp.spawn(_write_rank, nprocs=1, timeout=-1)
     with pytest.raises(ValueError, match="context"):
         mp.start_processes(_write_rank, start_method="bogus")
+
+
+def test_no_processes_is_not_an_error_as_in_torch():
+    assert mp.spawn(_write_rank, nprocs=0) is None
+    assert mp.start_processes(_write_rank, nprocs=0, start_method="fork") is None
+    assert mp.spawn(_write_rank, nprocs=0, return_values=True) == []
+    ctx = mp.spawn(_write_rank, nprocs=0, join=False)
+    assert isinstance(ctx, mp.ProcessContext) and ctx.pids() == [] and ctx.join() is True
+    assert not mp.active_children()
+
+
+def test_spawn_context_is_torchs_renamed_class_and_warns():
+    with pytest.warns(UserWarning, match="SpawnContext is renamed to ProcessContext"):
+        ctx = mp.SpawnContext([], [])
+    assert isinstance(ctx, mp.ProcessContext) and ctx.join() is True
+    # not the stdlib-style context class of the same name, which lives in tensormp.context
+    assert mp.SpawnContext is not mp.context.SpawnContext
+    assert type(mp.get_context("spawn")) is mp.context.SpawnContext
 
 
 # -- failures ----------------------------------------------------------------------------------
@@ -285,10 +305,12 @@ def test_crash_by_signal_comes_with_python_stack(how, name):
     with pytest.raises(mp.ProcessExitedException) as info:
         mp.spawn(_crash_on, args=(0, how), nprocs=2)
     e = info.value
-    assert str(e).startswith(f"process 0 terminated with signal {name}\n")
+    assert str(e) == f"process 0 terminated with signal {name}"  # torch's message
     assert (e.error_index, e.signal_name, e.exit_code) == (0, name, -getattr(signal, name))
-    assert "(faulthandler)" in str(e)
-    assert "in _crash_here" in str(e) and "in _crash_on" in str(e)  # the child's stack
+    (note,) = e.__notes__  # the child's Python stack, printed after the message
+    assert note.startswith(f"-- Python stack of process 0 when it received {name} (faulthandler)")
+    assert "in _crash_here" in note and "in _crash_on" in note
+    assert e.failures[0].traceback in note
 
 
 def test_every_failure_is_reported():
@@ -296,16 +318,27 @@ def test_every_failure_is_reported():
         mp.spawn(_mixed_failures, nprocs=5, grace_period=20)
     e = info.value
     msg = str(e)
+    # str(e) is torch's: it ends with the first failure's traceback, and holds nothing else.
+    assert e.error_index == 0 and msg.rstrip().endswith("ValueError: first failure")
+    assert msg.startswith("\n\n-- Process 0 terminated with the following error:\n")
+    assert "other process" not in msg and "TypeError" not in msg
     pids = {f.index: f.pid for f in e.failures}
-    assert e.error_index == 0 and "ValueError: first failure" in msg
     assert sorted(pids) == [0, 1, 2, 3]  # rank 4 returned
-    assert "4 other" not in msg and "3 other process(es) failed too" in msg
-    assert f"process 1 (pid {pids[1]}): terminated with exit code 3" in msg
-    assert f"process 2 (pid {pids[2]}): terminated with signal SIGSEGV" in msg
-    assert f"process 3 (pid {pids[3]}): raised TypeError: other failure" in msg
     by_index = {f.index: f for f in e.failures}
     assert by_index[2].signal_name == "SIGSEGV" and "_mixed_failures" in by_index[2].traceback
     assert by_index[3].exc_type == "TypeError" and "Traceback" in by_index[3].traceback
+    # The others, and their stacks, are notes (printed after the message by Python >= 3.11).
+    notes = e.__notes__
+    assert notes[0].startswith("-- 3 other process(es) failed too:\n")
+    assert f"process 1 (pid {pids[1]}): terminated with exit code 3" in notes[0]
+    assert f"process 2 (pid {pids[2]}): terminated with signal SIGSEGV" in notes[0]
+    assert f"process 3 (pid {pids[3]}): raised TypeError: other failure" in notes[0]
+    assert notes[1].startswith("-- Python stack of process 2 when it received SIGSEGV")
+    assert "_mixed_failures" in notes[1]
+    assert notes[2].startswith("-- Process 3 terminated with the following error:\nTraceback")
+    assert notes[2].rstrip().endswith("TypeError: other failure") and len(notes) == 3
+    printed = "".join(traceback.format_exception(e))
+    assert printed.index("ValueError: first failure") < printed.index("3 other process(es)")
 
 
 def test_others_are_stopped_after_a_failure():
@@ -355,7 +388,8 @@ def test_forged_or_half_written_reports_never_hang(kind):
     with pytest.raises(mp.ProcessException) as info:
         mp.spawn(_forge, args=(kind,), nprocs=1, return_values=True)
     assert time.monotonic() - t < 30
-    e, msg = info.value, str(info.value)
+    e = info.value
+    msg = "\n".join([str(e), *getattr(e, "__notes__", ())])  # what the printer shows
     if kind == "killed_while_writing":
         assert msg.startswith("process 0 terminated with signal SIGKILL")
     elif kind == "announce_more":
@@ -402,6 +436,55 @@ def test_timeout_stops_the_ranks_and_raises_timeout_error():
     assert "process 0 (pid " in str(e) and "process 1 (pid " in str(e)
 
 
+def _python310():
+    """A working Python 3.10 interpreter, or None (a pyenv shim on PATH may not work)."""
+    import glob
+    import shutil
+
+    candidates = sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.10*/bin/python3.10")))
+    for path in [*candidates, shutil.which("python3.10")]:
+        if path and subprocess.run([path, "-c", ""], capture_output=True).returncode == 0:
+            return path
+    return None
+
+
+PY310 = _python310()
+
+
+@pytest.mark.skipif(PY310 is None, reason="needs a Python 3.10 interpreter")
+def test_on_python_310_the_notes_open_the_message(tmp_path):
+    # 3.10's traceback printer ignores __notes__: they lead str(e) there, which still ends with
+    # the first failure's traceback (tensormp imports no numpy for this).
+    (tmp_path / "driver.py").write_text(textwrap.dedent("""
+        import json, os, signal, sys
+        import tensormp as mp
+
+        def f(i):
+            if i == 0:
+                raise ValueError("first")
+            os.kill(os.getpid(), signal.SIGSEGV)
+
+        if __name__ == "__main__":
+            try:
+                mp.spawn(f, nprocs=2, grace_period=20)
+            except mp.ProcessRaisedException as e:
+                print(json.dumps({"str": str(e), "notes": e.__notes__}))
+    """))
+    src = os.path.dirname(os.path.dirname(mp.__file__))
+    proc = subprocess.run(
+        [PY310, str(tmp_path / "driver.py")], capture_output=True, text=True,
+        timeout=120, cwd=tmp_path, env={**os.environ, "PYTHONPATH": src},
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    notes, msg = out["notes"], out["str"]
+    assert len(notes) == 2 and notes[0].startswith("-- 1 other process(es) failed too:")
+    assert notes[1].startswith("-- Python stack of process 1 when it received SIGSEGV")
+    assert msg.startswith(notes[0]) and notes[1] in msg
+    assert msg.rstrip().endswith("ValueError: first")
+    assert "\n\n-- Process 0 terminated with the following error:\n" in msg
+
+
 def test_exceptions_pickle_with_their_attributes():
     with pytest.raises(mp.ProcessRaisedException) as info:
         mp.spawn(_mixed_failures, nprocs=4, grace_period=20)
@@ -416,6 +499,8 @@ def test_exceptions_pickle_with_their_attributes():
         assert type(back) is type(e) and str(back) == str(e)
         for attr in ("error_index", "error_pid", "exit_code", "signal_name", "failures"):
             assert getattr(back, attr) == getattr(e, attr), attr
+        assert getattr(back, "__notes__", None) == getattr(e, "__notes__", None)
+    assert len(samples[0].__notes__) == 3  # the other failures travel with it
     assert pickle.loads(pickle.dumps(samples[0])).exc_type == "ValueError"
     assert pickle.loads(pickle.dumps(samples[2])).running == [0, 2]
     assert isinstance(samples[2], TimeoutError) and samples[2].errno is None

@@ -239,7 +239,7 @@ def test_non_leaf_tensor_is_refused_in_the_caller():
     q = mp.get_context("spawn").Queue()
     try:
         x = torch.ones(3, requires_grad=True) * 2
-        with pytest.raises(RuntimeError, match="non-leaf tensor that requires grad.*detach"):
+        with pytest.raises(RuntimeError, match="non-leaf tensor with requires_grad=True.*detach"):
             q.put(x)
         q.put(x.detach())  # the queue is still usable
         assert q.get(timeout=10).tolist() == [2.0, 2.0, 2.0]

@@ -22,9 +22,11 @@ if not sys.platform.startswith("linux"):  # pragma: no cover - platform gate
 import multiprocessing as _mp
 from typing import Any as _Any
 
-from .connection import Connection
-from .context import _default_context, get_context
 from .errors import FdLimitError, HandleError, SharedMemoryError, TensormpError
+
+# Imported here, not on first use: the import system binds a submodule as an attribute of its
+# package when it is first loaded, so a later `import tensormp.spawn` (by any module) would
+# turn `tensormp.spawn`, the function, into the module. spawn.py imports nothing heavy.
 from .spawn import (
     ProcessContext,
     ProcessException,
@@ -37,41 +39,64 @@ from .spawn import (
     spawn,
     start_processes,
 )
-from .strategies import get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy
-
-__version__ = "0.1.0"
 
 _STDLIB_NAMES = [name for name in _mp.__all__ if name != "get_context"]
-globals().update((name, getattr(_default_context, name)) for name in _STDLIB_NAMES)
 
-# Names that need numpy are loaded on first use, so that a child process that never touches
-# an array (a spawn() rank, a Pool worker) does not pay numpy's import (~130 ms).
+# Every other name is loaded on first use (PEP 562), so that a child imports only what it
+# uses: a spawn child re-imports the main module, and so tensormp, before it runs anything.
+# A Process child loads tensormp.context (its Process class) and nothing of tensormp's
+# Connection (and the stdlib's multiprocessing.connection, tempfile, shutil...), of numpy
+# (~130 ms), of the pools. The stdlib names (Process, Queue, Pool...) are the default
+# context's, as in multiprocessing.
 _LAZY = {
+    "get_context": "context", "Connection": "connection",
+    "get_all_sharing_strategies": "strategies", "get_sharing_strategy": "strategies",
+    "set_sharing_strategy": "strategies",
+    # Names that need numpy: a child that never touches an array does not import it.
     "share": "arrays", "is_shared": "arrays", "empty": "arrays", "zeros": "arrays",
     "ones": "arrays", "full": "arrays", "empty_like": "arrays", "zeros_like": "arrays",
     "ones_like": "arrays", "full_like": "arrays",
     "memory_stats": "memory", "empty_cache": "memory", "set_cache_limit": "memory",
     "get_cache_limit": "memory",
-    # Pool itself is the context's (a stdlib name, set above); these load tensormp.pool / tensormp.futures.
+    # Pool itself is the default context's (a stdlib name); these load tensormp.pool / futures.
     "WorkerLostError": "pool", "BrokenPoolError": "pool",
     "ProcessPoolExecutor": "futures", "TerminatedWorkerError": "futures",
     "BrokenExecutorError": "futures",
 }
 
 
-def __getattr__(name: str) -> _Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tensormp' has no attribute {name!r}")
-    import importlib
+def _version() -> str:
+    """The installed distribution's version (importlib.metadata costs ~10-70 ms to import, so
+    ``tensormp.__version__`` is resolved on first use, not at ``import tensormp``)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    try:
+        return version("tensormp")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "0+unknown"
+
+
+def __getattr__(name: str) -> _Any:
+    if name == "__version__":
+        value = globals()["__version__"] = _version()
+        return value
+    module = _LAZY.get(name)
+    if module is not None:
+        import importlib
+
+        value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    elif name in _STDLIB_NAMES:
+        from .context import _default_context
+
+        value = getattr(_default_context, name)
+    else:
+        raise AttributeError(f"module 'tensormp' has no attribute {name!r}")
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_STDLIB_NAMES) | {"__version__"})
 
 
 __all__ = [  # noqa: PLE0604 - the stdlib names are added below

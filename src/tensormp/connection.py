@@ -1,19 +1,45 @@
-"""Connections that carry file descriptors with every message (``SCM_RIGHTS``).
+"""Connections whose messages are atomic records that carry file descriptors.
 
-Wire format (Unix stream socket, one writer at a time per direction):
+Wire format
+-----------
+A tensormp ``Pipe`` (and the socket under every queue) is an ``AF_UNIX`` ``SOCK_SEQPACKET``
+socket pair. One message is **one record**: one ``sendmsg`` writes it, one ``recvmsg`` reads
+it, whole or not at all, with its fds attached as ``SCM_RIGHTS`` in the same record::
 
-    sendmsg( header = struct "<IQ" (nfds, payload length) + payload,
-             ancillary = SCM_RIGHTS [fd_0 .. fd_252] )
-    then, only when nfds > 253: sendmsg(b"F", SCM_RIGHTS [next <= 253 fds]) per batch
+    record  = header "<BBHIQI" (flags, ntokens, 0, nfds, length, slot) + inline pickle
+    fds     = [tokens (ntokens)] [payload memfd, if LARGE] [the message's nfds fds, or one bag]
 
-The kernel attaches the fds to the first byte of the ``sendmsg`` that carried them and holds
-them while the message is in flight: a receiver gets them even if the sender has exited since,
-and no listener thread or fetch at unpickle time is needed. A receiver reads the header with
-``recvmsg`` (``MSG_CMSG_CLOEXEC``), any extra fd batches, then the payload.
+* A pickle of at most ``INLINE_MAX`` bytes travels inline. A larger one (flag ``LARGE``) is
+  written into a memfd by the sender and only an fd of it travels: a record never exceeds
+  the socket's send buffer, whatever the message's size, and ``put()`` never writes half a
+  message. The receiver ``pread``s it and closes it. The fd that travels is a *reader token*
+  (:class:`_Payloads`): the sender reuses the memfd (its pages already allocated) once no
+  token of it is left, that is once the message was read, or its reader died after taking
+  it, or the record was dropped unread with its socket; a sender that dies frees its memfds
+  with its fds, and the kernel frees one still in flight once its reader is done with it.
+  A sender with ``_POOL_COUNT`` (4) large messages unread on one end waits for the oldest to
+  be read: the back-pressure a stream socket's buffer gives, and a bound on memory in flight.
+* More fds than fit in one record (253 with the tokens and the payload) travel in a bag (flag
+  ``BAG``, ``_fdpass.py``).
+* Tokens (``_ledger.py``) are a queue's slot and task units; ``slot`` is the slot's number (so
+  the consumer can ring the producers' bell with it), ``0xFFFFFFFF`` when there is none.
 
-For non-root users the kernel caps the fds a user may have in flight (``ETOOMANYREFS``, the
-``RLIMIT_NOFILE`` of the sender); a send that hits the cap waits for receivers to drain and
-retries, as a write to a full pipe waits, up to ``_INFLIGHT_TIMEOUT`` seconds.
+Why this survives any death (no lock is held across a syscall, because none is needed): the
+kernel queues and dequeues whole records, so concurrent writers and concurrent readers of the
+same socket never interleave, and a process SIGKILLed at any instant has either written a
+record or not, taken a record or not. A writer killed before its ``sendmsg`` loses only the
+message it was writing (its memfd and bag die with it); a reader killed after its ``recvmsg``
+loses only the message it took. Survivors never see a torn or a duplicated message.
+
+The kernel holds fds in flight: a receiver gets them even if the sender has exited since, and
+no listener thread or fetch at unpickle time is needed. For non-root users the kernel caps the
+fds a user may have in flight (``ETOOMANYREFS``); a send that hits the cap waits for
+receivers to drain (``_fdpass.sendmsg``).
+
+``INLINE_MAX`` (64 KiB): measured, a record up to there costs what a stream write of the same
+bytes costs, a receive buffer of that size costs nothing more per ``recvmsg`` than a 512-byte
+one (a 140,000-byte one costs 5x: glibc maps it), and the 212,992-byte default send buffer
+(``net.core.wmem_default``; a record may not exceed it) still holds three of the largest.
 
 :class:`Connection` is a drop-in for ``multiprocessing.connection.Connection``: ``send``/
 ``recv`` move arrays as shared-memory handles, ``send_bytes``/``recv_bytes`` are plain bytes,
@@ -23,62 +49,177 @@ retries, as a write to a full pipe waits, up to ``_INFLIGHT_TIMEOUT`` seconds.
 from __future__ import annotations
 
 import errno
+import fcntl
 import io
 import math
 import os
 import select
 import socket
 import struct
-import sys
-import time
+import threading
+from collections.abc import Sequence
 from multiprocessing import connection as _mpc
 from multiprocessing import reduction as _mpr
-from typing import Any
+from typing import Any, overload
 
-from . import reducers
+from . import _fdpass, _testhooks, reducers
 from .errors import FdLimitError
 
 __all__ = ["Connection", "Pipe"]
 
-_HEADER = struct.Struct("<IQ")
-_MAX_FDS = 253  # SCM_MAX_FD
-_ANC_SPACE = socket.CMSG_SPACE(_MAX_FDS * 4)
+HEADER = struct.Struct("<BBHIQI")
+LARGE = 1
+BAG = 2
+INLINE_MAX = 64 << 10
+NO_SLOT = 0xFFFFFFFF
+_RECORD_MAX = HEADER.size + INLINE_MAX
+_MAX_FDS = _fdpass.MAX_FDS
+_ANC_SPACE = _fdpass.ANC_SPACE
 # Plain ints: the socket module's IntFlag members cost an enum operation (~2 us) per message.
 _MSG_CMSG_CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
 _MSG_CTRUNC = int(socket.MSG_CTRUNC)
+_MSG_TRUNC = int(socket.MSG_TRUNC)
 _MSG_DONTWAIT = int(socket.MSG_DONTWAIT)
-_SOL_SOCKET = int(socket.SOL_SOCKET)
-_SCM_RIGHTS = int(socket.SCM_RIGHTS)
-_FD_SIZE = struct.calcsize("i")
-_ONE_FD = struct.Struct("i")
-_INFLIGHT_TIMEOUT = 60.0
+_hooks = _testhooks.armed
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock (LP64 Linux): type, whence, start, len, pid
+_F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
+_F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
+_F_OFD_SETLKW = getattr(fcntl, "F_OFD_SETLKW", 38)
+_POOL_COUNT = 4  # payload memfds per connection end and process (large messages unread)
 
 
-def _fds_of(anc: list[tuple[int, int, bytes]]) -> list[int]:
-    """The fds of ``SCM_RIGHTS`` ancillary data from ``recvmsg``."""
-    fds: list[int] = []
-    for level, kind, payload in anc:
-        if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
-            if len(payload) == _FD_SIZE:
-                fds.append(int.from_bytes(payload, sys.byteorder, signed=True))
-            else:
-                usable = len(payload) - len(payload) % _FD_SIZE
-                fds.extend(struct.unpack(f"{usable // _FD_SIZE}i", payload[:usable]))
-    return fds
+class Record:
+    """One received message: pickle bytes, its fds (owned by the receiver from now on), the
+    queue tokens that came with it, and the slot number in the header."""
+
+    __slots__ = ("data", "fds", "tokens", "slot")
+
+    def __init__(self, data: bytes, fds: list[int], tokens: list[int], slot: int) -> None:
+        self.data = data
+        self.fds = fds
+        self.tokens = tokens
+        self.slot = slot
+
+    def close_tokens(self) -> None:
+        _fdpass.close_all(self.tokens)
+        self.tokens = []
+
+
+class _Payloads:
+    """The payload memfds of one connection end in this process (see the module notes).
+
+    A payload is written into a memfd that this end keeps (its pages allocated and faulted
+    after the first use: a large message costs one copy, not a page allocation per 4 KiB).
+    What travels is not that fd but a *reader token*: a fresh open file description of the
+    same memfd holding an OFD read lock on byte 0. The receiver reads through it and closes
+    it; the kernel drops the lock with the last fd of the token, also when the receiver dies
+    or when the record is dropped unread with its socket. A memfd is reused only once no
+    token of it exists (``F_OFD_GETLK``), so a payload is never overwritten while anyone may
+    still read it. At most ``_POOL_COUNT`` memfds per end: a writer with that many large
+    messages unread waits for the oldest to be read (``F_OFD_SETLKW``, a kernel wait that a
+    dying reader ends too), as a write to a full stream socket waits.
+    """
+
+    __slots__ = ("fds", "lock", "pid")
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []  # oldest first
+        self.lock = threading.Lock()
+        self.pid = os.getpid()
+
+    def take(self, block: bool) -> int:
+        """A memfd whose previous payload nobody reads any more (waiting for one if all
+        ``_POOL_COUNT`` are being read and ``block``); -1 when not ``block`` and none is."""
+        if self.pid != os.getpid():  # a fork child: those memfds are its parent's to reuse
+            self.fds, inherited = [], self.fds
+            self.pid = os.getpid()
+            self.lock = threading.Lock()
+            _fdpass.close_all(inherited)
+        with self.lock:
+            fds = self.fds
+            for k, fd in enumerate(fds):
+                got = fcntl.fcntl(fd, _F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, 0, 0, 1, 0))
+                if _FLOCK.unpack(got)[0] == fcntl.F_UNLCK:
+                    del fds[k]
+                    return fd
+            if len(fds) < _POOL_COUNT:
+                return os.memfd_create("tensormp-message", os.MFD_CLOEXEC)
+            if not block:
+                return -1
+            fd = fds.pop(0)
+        try:  # the oldest: its reader is the next to be done
+            fcntl.fcntl(fd, _F_OFD_SETLKW, _FLOCK.pack(fcntl.F_WRLCK, 0, 0, 1, 0))
+            fcntl.fcntl(fd, _F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, 0, 0, 1, 0))
+        except BaseException:
+            self.give_back(fd)
+            raise
+        return fd
+
+    def give_back(self, fd: int) -> None:
+        with self.lock:
+            self.fds.append(fd)
+
+    def write(self, data: bytes | bytearray | memoryview, block: bool) -> tuple[int, int]:
+        """Write ``data`` into a memfd; ``(reader token to send, memfd)``, or ``(-1, -1)``
+        when not ``block`` and every memfd is still being read."""
+        fd = self.take(block)
+        if fd < 0:
+            return -1, -1
+        try:
+            view = memoryview(data).cast("B")
+            if os.fstat(fd).st_size > len(view):
+                os.ftruncate(fd, len(view))  # keep no more memory than the last payload
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], done)
+            token = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                fcntl.fcntl(token, _F_OFD_SETLK, _FLOCK.pack(fcntl.F_RDLCK, 0, 0, 1, 0))
+            except BaseException:
+                os.close(token)
+                raise
+        except BaseException:
+            self.give_back(fd)
+            raise
+        return token, fd
+
+    def close(self) -> None:
+        fds, self.fds = self.fds, []
+        if self.pid == os.getpid():
+            _fdpass.close_all(fds)
+
+
+def _pread_all(fd: int, length: int) -> bytes:
+    if length <= 1 << 30:
+        data = os.pread(fd, length, 0)
+        if len(data) == length:
+            return data
+    chunks = []
+    got = 0
+    while got < length:
+        chunk = os.pread(fd, min(length - got, 1 << 30), got)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
 
 
 class Connection(_mpc.Connection):
-    """A duplex or one-way connection over a Unix socket that can carry fds.
+    """A duplex or one-way connection over a Unix ``SOCK_SEQPACKET`` socket that carries fds.
 
     Same API as ``multiprocessing.connection.Connection`` (the stdlib docs apply); ``send``
     pickles with tensormp's reducers and ``recv`` rebuilds shared arrays from the fds that
-    came with the message.
+    came with the message. Each message is one record (see the module notes): no lock is
+    needed between processes that share an end, and a process killed at any point never
+    leaves a torn message for the others.
     """
 
     def __init__(self, handle: int, readable: bool = True, writable: bool = True) -> None:
         super().__init__(handle, readable, writable)
         self._sock = socket.socket(fileno=handle)
         self._sock.setblocking(True)
+        self._payloads: _Payloads | None = None
 
     def _poll(self, timeout: float | None) -> bool:
         # One poll object per connection instead of the stdlib's selector per call (which
@@ -100,125 +241,176 @@ class Connection(_mpc.Connection):
         sock = self.__dict__.pop("_sock", None)
         if sock is not None:
             sock.close()
+        payloads = self.__dict__.pop("_payloads", None)
+        if payloads is not None:
+            payloads.close()
 
-    # -- framing ------------------------------------------------------------------------------
-    def _sendmsg(self, buffers: list[Any], fds: list[int]) -> int:
-        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))] if fds else []
-        deadline = None
-        while True:
+    # -- records ------------------------------------------------------------------------------
+    def write_record(
+        self,
+        data: bytes | bytearray | memoryview,
+        fds: Sequence[int],
+        tokens: Sequence[int] = (),
+        slot: int = NO_SLOT,
+        block: bool = True,
+    ) -> bool:
+        """Write one message as one record (see the module notes).
+
+        Args:
+            data: the pickle (any size).
+            fds: the message's fds (borrowed: the caller closes them, after this returns).
+            tokens: queue tokens to attach (borrowed likewise).
+            slot: the slot number to put in the header.
+            block: False: write only if the socket has room now.
+
+        Returns:
+            True when written; False when ``block`` is False and the socket is full
+            (nothing was written).
+
+        Raises:
+            OSError: the socket failed (``EPIPE`` when no reader is left), memory for a large
+                payload could not be had, or too many fds are in flight (``ETOOMANYREFS``,
+                at once when not ``block``).
+        """
+        n = len(data)
+        ntok = len(tokens)
+        flags = 0 if block else _MSG_DONTWAIT
+        if n <= INLINE_MAX and ntok + len(fds) <= _MAX_FDS:  # the common case
+            header = HEADER.pack(0, ntok, 0, len(fds), n, slot)
             try:
-                return self._sock.sendmsg(buffers, anc)
-            except OSError as e:
-                if e.errno != errno.ETOOMANYREFS:
-                    raise
-                # Too many fds in flight for this user: wait for receivers to drain them.
-                now = time.monotonic()
-                deadline = deadline or now + _INFLIGHT_TIMEOUT
-                if now > deadline:
-                    raise OSError(
-                        e.errno,
-                        f"{e.strerror}: receivers have not taken the file descriptors already "
-                        f"in flight for {_INFLIGHT_TIMEOUT:.0f} s; read from the queue or pipe, "
-                        "or raise RLIMIT_NOFILE (ulimit -n)",
-                    ) from None
-                time.sleep(0.001)
-
-    def _send_message(self, data: bytes | bytearray | memoryview, fds: list[int]) -> None:
-        header = _HEADER.pack(len(fds), len(data))
-        view = memoryview(data).cast("B")
-        if len(fds) <= _MAX_FDS:
-            sent = self._sendmsg([header, view], fds)
-        else:  # header with the first batch, then 1-byte messages with the others
-            sent = self._sendmsg([header], fds[:_MAX_FDS])
-            if sent < len(header):
-                self._sock.sendall(header[sent:])
-            for start in range(_MAX_FDS, len(fds), _MAX_FDS):
-                self._sendmsg([b"F"], fds[start : start + _MAX_FDS])
-            sent = len(header)
-        if sent < len(header):
-            self._sock.sendall(header[sent:])
-            sent = len(header)
-        if sent - len(header) < len(view):
-            self._sock.sendall(view[sent - len(header) :])
-
-    def _recv_exact(self, n: int) -> bytearray:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = self._sock.recv_into(view[got:])
-            if k == 0:
-                raise EOFError
-            got += k
-        return buf
-
-    def _recv_fds(self, nbytes: int) -> tuple[bytes, list[int], bool]:
-        """``recvmsg``: (bytes, fds received, whether fds were lost to MSG_CTRUNC)."""
-        data, anc, flags, _ = self._sock.recvmsg(nbytes, _ANC_SPACE, _MSG_CMSG_CLOEXEC)
-        return data, _fds_of(anc), bool(flags & _MSG_CTRUNC)
-
-    def _recv_message(self, wait: bool = True) -> Any:
-        """One message's ``(bytes, fds)``; with ``wait`` False, None when none has arrived."""
-        sock = self._sock
+                _fdpass.sendmsg(self._sock, [header, data], [*tokens, *fds] if ntok else fds, flags)
+            except BlockingIOError:
+                return False
+            if _hooks:
+                _testhooks.reached("send.sent")
+            return True
+        kind = 0
+        payload = -1
+        memfd = -1
+        bag = -1
         try:
-            head, anc, flags, _ = sock.recvmsg(
-                _HEADER.size, _ANC_SPACE, _MSG_CMSG_CLOEXEC | _MSG_DONTWAIT
+            record_fds = list(tokens)
+            if n > INLINE_MAX:
+                payloads = self._payloads
+                if payloads is None:
+                    payloads = self._payloads = _Payloads()
+                payload, memfd = payloads.write(data, block)
+                if payload < 0:
+                    return False
+                record_fds.append(payload)
+                kind |= LARGE
+                data = b""
+                if _hooks:
+                    _testhooks.reached("send.payload")
+            attach, bag = _fdpass.pack(fds, _MAX_FDS - len(record_fds))
+            if bag >= 0:
+                kind |= BAG
+                if _hooks:
+                    _testhooks.reached("send.bag")
+            record_fds.extend(attach)
+            header = HEADER.pack(kind, ntok, 0, len(fds), n, slot)
+            try:
+                _fdpass.sendmsg(self._sock, [header, data], record_fds, flags)
+            except BlockingIOError:
+                return False
+        finally:
+            if payload >= 0:
+                os.close(payload)  # the token: the kernel holds it in flight now, if sent
+                self._payloads.give_back(memfd)  # type: ignore[union-attr]
+            if bag >= 0:
+                os.close(bag)
+        if _hooks:
+            _testhooks.reached("send.sent")
+        return True
+
+    def read_record(self, wait: bool = True) -> Record | None:
+        """Read one record; with ``wait`` False, None when none has arrived.
+
+        Raises:
+            EOFError: every writer has closed its end.
+            FdLimitError: this process is out of fds: the message (and its tokens) was
+                dropped whole; the connection stays usable.
+            OSError: a corrupt record (dropped).
+        """
+        if _hooks:
+            _testhooks.reached("recv.begin")
+        sock = self._sock
+        # Nothing to flush before waiting: holds and releases go out within 50 ms on the
+        # release timer (memory/release.py), blocked or not. So a blocking read goes straight
+        # to the kernel (no MSG_DONTWAIT probe first: one syscall less per idle wait).
+        try:
+            data, anc, flags, _ = sock.recvmsg(
+                _RECORD_MAX, _ANC_SPACE, _MSG_CMSG_CLOEXEC if wait else _MSG_CMSG_CLOEXEC | _MSG_DONTWAIT
             )
         except BlockingIOError:
-            if not wait:
-                return None
-            # Nothing to flush before waiting: holds and releases go out within 50 ms on the
-            # release timer (memory/release.py), blocked or not.
-            head, anc, flags, _ = sock.recvmsg(_HEADER.size, _ANC_SPACE, _MSG_CMSG_CLOEXEC)
-        lost = bool(flags & _MSG_CTRUNC)
-        fds = _fds_of(anc) if anc else []
-        try:
-            if not head:
-                raise EOFError
-            if len(head) < _HEADER.size:
-                head += self._recv_exact(_HEADER.size - len(head))
-            nfds, length = _HEADER.unpack(head)
-            batches = -(-max(0, nfds - _MAX_FDS) // _MAX_FDS)
-            for _ in range(batches):
-                marker, more, more_lost = self._recv_fds(1)
-                fds.extend(more)
-                lost |= more_lost
-                if marker != b"F":
-                    raise EOFError if not marker else OSError("corrupt tensormp message stream")
-            # Read the whole message even when fds were lost.
-            data = sock.recv(length) if length else b""
-            if len(data) < length:
-                if not data:
-                    raise EOFError
-                data += self._recv_exact(length - len(data))
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
-        if lost or len(fds) != nfds:
-            for fd in fds:
-                os.close(fd)
+            return None
+        fds = _fdpass.fds_of(anc) if anc else []
+        if _hooks:
+            _testhooks.reached("recv.got")
+        if not data:
+            _fdpass.close_all(fds)
+            raise EOFError
+        if len(data) < HEADER.size or flags & _MSG_TRUNC:
+            _fdpass.close_all(fds)
+            raise OSError(errno.EBADMSG, f"corrupt tensormp record ({len(data)} bytes)")
+        kind, ntok, _, nfds, length, slot = HEADER.unpack_from(data)
+        if flags & _MSG_CTRUNC:
+            _fdpass.close_all(fds)
             raise FdLimitError(
                 errno.EMFILE,
-                f"a message arrived with {nfds} file descriptors but only {len(fds)} could be "
+                f"a message arrived with {nfds} file descriptors but not all could be "
                 "received: this process is out of fds (RLIMIT_NOFILE). The message was "
                 "dropped and the connection stays usable; raise the limit (ulimit -n) or keep "
                 "fewer arrays alive",
             )
-        return data, fds
+        tokens = fds[:ntok] if ntok else []
+        rest = fds[ntok:] if ntok else fds
+        if not kind:
+            if len(rest) != nfds:
+                _fdpass.close_all(fds)
+                raise OSError(errno.EBADMSG, f"a record announced {nfds} fds but carries {len(rest)}")
+            return Record(data[HEADER.size :], rest, tokens, slot)
+        try:
+            if kind & LARGE:
+                if not rest:
+                    raise OSError(errno.EBADMSG, "a large record carries no payload")
+                payload = rest.pop(0)
+                try:
+                    body = _pread_all(payload, length)
+                finally:
+                    os.close(payload)
+                if len(body) != length:
+                    raise OSError(errno.EBADMSG, f"a payload of {length} bytes holds {len(body)}")
+            else:
+                body = data[HEADER.size :]
+            try:
+                msg_fds = _fdpass.unpack(rest, nfds, nfds if kind & BAG == 0 else 0)
+            except OSError as e:
+                rest = []
+                if e.errno == errno.EMFILE:
+                    raise FdLimitError(errno.EMFILE, f"{e.strerror}; the message was dropped") from None
+                raise
+        except BaseException:
+            _fdpass.close_all(tokens)
+            _fdpass.close_all(rest)
+            raise
+        if _hooks:
+            _testhooks.reached("recv.payload")
+        return Record(body, msg_fds, tokens, slot)
 
     # -- the stdlib hooks ---------------------------------------------------------------------
     def _send_bytes(self, buf: Any) -> None:
-        self._send_message(buf, [])
+        self.write_record(buf, ())
 
     def _recv_bytes(self, maxsize: int | None = None) -> Any:
-        data, fds = self._recv_message()
-        for fd in fds:
-            os.close(fd)
-        if maxsize is not None and len(data) > maxsize:
+        record = self.read_record()
+        assert record is not None
+        _fdpass.close_all(record.fds)
+        record.close_tokens()
+        if maxsize is not None and len(record.data) > maxsize:
             raise OSError("bad message length")
         buf = io.BytesIO()
-        buf.write(data)  # positioned at the end, as the stdlib's (recv_bytes_into reads tell())
+        buf.write(record.data)  # positioned at the end, as the stdlib's (recv_bytes_into reads tell())
         return buf
 
     # -- objects ------------------------------------------------------------------------------
@@ -237,59 +429,56 @@ class Connection(_mpc.Connection):
             msg.abandon()
             raise
 
-    def send_message(self, msg: reducers.Message) -> None:
-        """Send an already pickled :class:`~tensormp.reducers.Message`."""
-        self._check_closed()
-        self._check_writable()
-        reducers.flush_release_records()  # holds reach creators before our results do
-        self._send_message(msg.data, msg.fds)
-        msg.sent()
-
     def try_send_message(self, msg: reducers.Message) -> bool:
-        """Send ``msg`` only if the socket takes it now without blocking: True when sent,
-        False when nothing was written because the socket is full.
-
-        Used by ``Queue.put`` to skip its feeder thread. A small message on a Unix stream
-        socket goes in whole or not at all; should the kernel take only part of it, the rest
-        is written here, blocking (the fds went with the first byte). Only for messages with
-        at most 253 fds (one ``SCM_RIGHTS``); use :meth:`send_message` for others.
+        """Send ``msg`` only if the socket takes it now without blocking: True when sent, False
+        when nothing was written because the socket is full (or, for a payload over
+        ``INLINE_MAX``, every payload memfd of this end is still unread). Used by the Pool's
+        callers to send a task without waking the manager thread.
 
         Raises:
             OSError: ``ETOOMANYREFS`` (too many fds in flight for this user: nothing was
                 written; :meth:`send_message` waits for receivers), or the socket failed.
         """
         reducers.flush_release_records()  # holds reach creators before our results do
-        data = msg.data
-        fds = msg.fds
-        header = _HEADER.pack(len(fds), len(data))
-        if not fds:
-            anc = []
-        elif len(fds) == 1:
-            anc = [(_SOL_SOCKET, _SCM_RIGHTS, _ONE_FD.pack(fds[0]))]
-        else:
-            anc = [(_SOL_SOCKET, _SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))]
-        try:
-            sent = self._sock.sendmsg([header, data], anc, _MSG_DONTWAIT)
-        except BlockingIOError:
+        if not self.write_record(msg.data, msg.fds, block=False):
             return False
-        total = len(header) + len(data)
-        if sent < total:
-            self._sock.sendall((header + bytes(data))[sent:])
         msg.sent()
         return True
+
+    def send_message(self, msg: reducers.Message) -> None:
+        """Send an already pickled :class:`~tensormp.reducers.Message` (blocks while the
+        socket is full)."""
+        self._check_closed()
+        self._check_writable()
+        reducers.flush_release_records()  # holds reach creators before our results do
+        self.write_record(msg.data, msg.fds)
+        msg.sent()
 
     def recv(self) -> Any:
         """Receive an object sent with :meth:`send` (blocks). Raises ``EOFError`` at EOF."""
         self._check_closed()
         self._check_readable()
-        data, fds = self._recv_message()
-        return reducers.loads(data, fds)
+        data, fds = self.recv_message()
+        obj = reducers.loads(data, fds)
+        if _hooks:
+            _testhooks.reached("recv.done")
+        return obj
 
-    def recv_message(self) -> tuple[bytearray | bytes, list[int]]:
-        """Receive the raw ``(pickle bytes, fds)`` of one message; pass them to ``loads``."""
+    @overload
+    def recv_message(self) -> tuple[bytes, list[int]]: ...
+    @overload
+    def recv_message(self, wait: bool) -> tuple[bytes, list[int]] | None: ...
+
+    def recv_message(self, wait: bool = True) -> tuple[bytes, list[int]] | None:
+        """Receive the raw ``(pickle bytes, fds)`` of one message; pass them to ``loads``.
+        With ``wait`` False: None at once when no message has arrived."""
         self._check_closed()
         self._check_readable()
-        return self._recv_message()
+        record = self.read_record(wait)
+        if record is None:
+            return None
+        record.close_tokens()
+        return record.data, record.fds
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"fd={self.fileno()}"
@@ -300,11 +489,11 @@ class Connection(_mpc.Connection):
 def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:
     """A pair of connected :class:`Connection` objects, like ``multiprocessing.Pipe``.
 
-    Both ends are Unix sockets (even for ``duplex=False``, which the stdlib builds from
-    ``os.pipe``) so that fds can travel with messages. With ``duplex=False`` the first end
-    only receives and the second only sends.
+    Both ends are Unix ``SOCK_SEQPACKET`` sockets (even for ``duplex=False``, which the stdlib
+    builds from ``os.pipe``) so that fds can travel with messages and every message is one
+    atomic record. With ``duplex=False`` the first end only receives and the second only sends.
     """
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     fa, fb = a.detach(), b.detach()
     if duplex:
         return Connection(fa), Connection(fb)

@@ -16,23 +16,98 @@ Process arguments
 * ``fork``: nothing is pickled (stdlib semantics). The child inherits the parent's mappings:
   a shared array stays shared (writes visible both ways); a non-shared array is the usual
   copy-on-write private copy.
+
+The start method
+----------------
+tensormp has no start-method state of its own: ``tensormp.set_start_method`` and
+``tensormp.get_start_method`` *are* the stdlib's default context's (as
+``torch.multiprocessing``'s are), and ``tensormp.get_context()`` is tensormp's context of the
+method the stdlib's default names. So the two can never disagree: the default is the stdlib's
+(``fork`` on Linux up to Python 3.13, ``forkserver`` from 3.14), setting it through either
+module sets it for both (a second ``set_start_method`` without ``force=True`` raises
+``RuntimeError``, whichever module it goes through), and locks and ``sharedctypes`` objects made
+with the stdlib's default context match the processes tensormp starts. Children learn their
+parent's method exactly as the stdlib's do: ``spawn``/``forkserver`` children get it in the
+stdlib's preparation data, fork children inherit it, and a process of a concrete context
+(``get_context("spawn").Process``) forces its own method at bootstrap.
+
+Contexts are named as the stdlib's (:class:`ForkContext`, :class:`SpawnContext`,
+:class:`ForkServerContext`; their processes ``ForkProcess``...). ``tensormp.SpawnContext`` at
+the top level is something else: torch's old name for :class:`tensormp.ProcessContext`.
+
+Children die with their parent (``_parent_death.py``) unless told otherwise: per process
+(``die_with_parent=False``) or per context (``get_context(method, die_with_parent=False)``,
+a context whose processes default to outliving their parent).
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import sys
 from multiprocessing import context as _mpctx
 from typing import Any
 
-from . import _child, reducers
+from . import _parent_death, reducers
 
-__all__ = ["Process", "DefaultContext", "get_context"]
+__all__ = [
+    "Process",
+    "ForkProcess",
+    "SpawnProcess",
+    "ForkServerProcess",
+    "ForkContext",
+    "SpawnContext",
+    "ForkServerContext",
+    "DefaultContext",
+    "get_context",
+]
 
 
 class _ProcessMixin:
-    """Pickles a process's state with tensormp's reducers when a start method needs it."""
+    """Pickles a process's state with tensormp's reducers when a start method needs it, and
+    makes the child die with its parent unless ``die_with_parent`` is False."""
+
+    _die_with_parent_default = True  # False in the processes of an outliving context
+
+    def __init__(
+        self,
+        group: None = None,
+        target: Any = None,
+        name: str | None = None,
+        args: Any = (),
+        kwargs: Any = None,
+        *,
+        daemon: bool | None = None,
+        die_with_parent: bool | None = None,
+    ) -> None:
+        super().__init__(  # type: ignore[call-arg]
+            group, target, name, args, {} if kwargs is None else kwargs, daemon=daemon
+        )
+        if die_with_parent is not None:
+            self.die_with_parent = die_with_parent
+
+    @property
+    def die_with_parent(self) -> bool:
+        """Whether the child is killed (``SIGKILL``) when this process dies (default True;
+        False in the processes of ``get_context(method, die_with_parent=False)``). False gives
+        the stdlib's behaviour: the child outlives a parent that dies abruptly. Set it before
+        ``start()``.
+
+        Raises:
+            TypeError: set to something other than a bool.
+            ValueError: set after ``start()``.
+        """
+        value = self.__dict__.get("_tensormp_die_with_parent")
+        return self._die_with_parent_default if value is None else bool(value)
+
+    @die_with_parent.setter
+    def die_with_parent(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"die_with_parent must be True or False, got {value!r}")
+        if getattr(self, "_popen", None) is not None:
+            raise ValueError(
+                f"{self!r} has already started: set die_with_parent before start()"
+            )
+        self.__dict__["_tensormp_die_with_parent"] = value
 
     def __reduce__(self) -> Any:
         popen = _mpctx.get_spawning_popen()
@@ -49,7 +124,7 @@ class _ProcessMixin:
         return _rebuild_process, (type(self), msg.data, fds, os.getpid(), _settings())
 
     def start(self) -> None:
-        _child.before_start(self)
+        _parent_death.before_start(self)
         try:
             super().start()  # type: ignore[misc]
             noted = self.__dict__.get("_tensormp_noted")
@@ -64,8 +139,8 @@ class _ProcessMixin:
             self.__dict__.pop("_tensormp_noted", None)
 
     def _bootstrap(self, parent_sentinel: Any = None) -> Any:
-        # In the child: die with the parent (PR_SET_PDEATHSIG + a watchdog; see _child.py).
-        _child.at_bootstrap(self, parent_sentinel)
+        # In the child: die with the parent (PR_SET_PDEATHSIG + a watchdog; see _parent_death.py).
+        _parent_death.at_bootstrap(self, parent_sentinel)
         try:
             return super()._bootstrap(parent_sentinel)  # type: ignore[misc]
         finally:
@@ -103,7 +178,7 @@ def _rebuild_process(
     finally:
         reducers.process_args_parent(0)
     reducers.flush_release_records()
-    obj = cls.__new__(cls)
+    obj: Any = object.__new__(cls)
     obj.__dict__.update(state)
     return obj
 
@@ -137,25 +212,34 @@ class Process(_ProcessMixin, _mpctx.Process):
 
 
 class _ContextMixin:
-    """tensormp's queues and pipes on top of a stdlib context."""
+    """tensormp's processes, queues and pipes on top of a stdlib context."""
+
+    _die_with_parent = True
+
+    def get_context(self, method: str | None = None) -> Any:
+        """This context (``method=None``), or tensormp's context for ``method`` (the stdlib's
+        concrete contexts return the stdlib's)."""
+        if method is None:
+            return self
+        return _lookup(method, self._die_with_parent)
 
     def Queue(self, maxsize: int = 0) -> Any:
         """A :class:`tensormp.queues.Queue` (arrays travel as shared memory)."""
         from .queues import Queue
 
-        return Queue(maxsize, ctx=self.get_context())  # type: ignore[attr-defined]
+        return Queue(maxsize, ctx=self.get_context())
 
     def JoinableQueue(self, maxsize: int = 0) -> Any:
         """A :class:`tensormp.queues.JoinableQueue` (arrays travel as shared memory)."""
         from .queues import JoinableQueue
 
-        return JoinableQueue(maxsize, ctx=self.get_context())  # type: ignore[attr-defined]
+        return JoinableQueue(maxsize, ctx=self.get_context())
 
     def SimpleQueue(self) -> Any:
         """A :class:`tensormp.queues.SimpleQueue` (arrays travel as shared memory)."""
         from .queues import SimpleQueue
 
-        return SimpleQueue(ctx=self.get_context())  # type: ignore[attr-defined]
+        return SimpleQueue(ctx=self.get_context())
 
     def Pipe(self, duplex: bool = True) -> Any:
         """Two :class:`tensormp.connection.Connection` ends (Unix sockets that carry fds)."""
@@ -176,80 +260,144 @@ class _ContextMixin:
 
         return Pool(
             processes, initializer, initargs, maxtasksperchild,
-            context=self.get_context(),  # type: ignore[attr-defined]
+            context=self.get_context(),
         )
 
 
-class _ForkContext(_ContextMixin, _mpctx.ForkContext):
+class ForkContext(_ContextMixin, _mpctx.ForkContext):
+    """``multiprocessing.context.ForkContext`` with tensormp's processes, queues, pipes and Pool."""
+
     Process = ForkProcess
 
 
-class _SpawnContext(_ContextMixin, _mpctx.SpawnContext):
+class SpawnContext(_ContextMixin, _mpctx.SpawnContext):
+    """``multiprocessing.context.SpawnContext`` with tensormp's processes, queues, pipes and
+    Pool (not ``tensormp.SpawnContext``, torch's old name for ``ProcessContext``)."""
+
     Process = SpawnProcess
 
 
-class _ForkServerContext(_ContextMixin, _mpctx.ForkServerContext):
+class ForkServerContext(_ContextMixin, _mpctx.ForkServerContext):
+    """``multiprocessing.context.ForkServerContext`` with tensormp's processes, queues, pipes
+    and Pool."""
+
     Process = ForkServerProcess
 
 
-_concrete_contexts: dict[str, Any] = {
-    "fork": _ForkContext(),
-    "spawn": _SpawnContext(),
-    "forkserver": _ForkServerContext(),
+class _OutlivingForkProcess(ForkProcess):
+    """A :class:`ForkProcess` that outlives its parent unless told otherwise."""
+
+    _die_with_parent_default = False
+
+
+class _OutlivingSpawnProcess(SpawnProcess):
+    """A :class:`SpawnProcess` that outlives its parent unless told otherwise."""
+
+    _die_with_parent_default = False
+
+
+class _OutlivingForkServerProcess(ForkServerProcess):
+    """A :class:`ForkServerProcess` that outlives its parent unless told otherwise."""
+
+    _die_with_parent_default = False
+
+
+class _OutlivingForkContext(ForkContext):
+    Process = _OutlivingForkProcess
+    _die_with_parent = False
+
+
+class _OutlivingSpawnContext(SpawnContext):
+    Process = _OutlivingSpawnProcess
+    _die_with_parent = False
+
+
+class _OutlivingForkServerContext(ForkServerContext):
+    Process = _OutlivingForkServerProcess
+    _die_with_parent = False
+
+
+# (method, die_with_parent) -> the one context of that kind, as the stdlib's are singletons.
+_concrete_contexts: dict[tuple[str, bool], Any] = {
+    ("fork", True): ForkContext(),
+    ("spawn", True): SpawnContext(),
+    ("forkserver", True): ForkServerContext(),
+    ("fork", False): _OutlivingForkContext(),
+    ("spawn", False): _OutlivingSpawnContext(),
+    ("forkserver", False): _OutlivingForkServerContext(),
 }
+_stdlib_default = _mpctx._default_context
+
+
+_checked: dict[tuple[str, bool], Any] = {}  # contexts found available, for the fast path
+
+
+def _lookup(method: str, die_with_parent: bool) -> Any:
+    """The context of ``method``; checked once (as the stdlib's ``get_context`` checks each time).
+
+    Raises:
+        ValueError: unknown or unavailable start method.
+        TypeError: ``die_with_parent`` is not a bool.
+    """
+    if die_with_parent is True or die_with_parent is False:
+        ctx = _checked.get((method, die_with_parent)) if isinstance(method, str) else None
+        if ctx is not None:
+            return ctx
+    else:
+        raise TypeError(f"die_with_parent must be True or False, got {die_with_parent!r}")
+    try:
+        ctx = _concrete_contexts[method, die_with_parent]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"cannot find context for {method!r}; choose one of "
+            f"{_stdlib_default.get_all_start_methods()}"
+        ) from None
+    ctx._check_available()
+    _checked[method, die_with_parent] = ctx
+    return ctx
 
 
 class DefaultContext(_ContextMixin, _mpctx.DefaultContext):
-    """tensormp's module-level context: follows the stdlib's start method until one is set."""
+    """tensormp's module-level context. Its start method is the stdlib's default context's, read
+    and set there (see the module notes): the two never disagree."""
 
     Process = Process
 
     def __init__(self) -> None:
-        super().__init__(None)
+        super().__init__(_stdlib_default)  # unused: get_context() asks the stdlib's default
 
-    def get_context(self, method: str | None = None) -> Any:
+    def get_context(self, method: str | None = None, *, die_with_parent: bool = True) -> Any:
         if method is None:
-            if self._actual_context is None:
-                self._actual_context = _concrete_contexts[_stdlib_start_method()]
-            return self._actual_context
-        try:
-            return _concrete_contexts[method]
-        except KeyError:
-            raise ValueError(
-                f"cannot find context for {method!r}; choose one of "
-                f"{sorted(_concrete_contexts)}"
-            ) from None
+            actual = _stdlib_default._actual_context  # type: ignore[attr-defined]  # not in typeshed
+            method = actual._name if actual is not None else _stdlib_default.get_start_method()
+        return _lookup(method, die_with_parent)
 
     def set_start_method(self, method: str | None, force: bool = False) -> None:
-        if self._actual_context is not None and not force:
-            raise RuntimeError("context has already been set")
-        if method is None and force:
-            self._actual_context = None
-            return
-        self._actual_context = self.get_context(method)
+        _stdlib_default.set_start_method(method, force)
 
-    def get_start_method(self, allow_none: bool = False) -> str | None:
-        if self._actual_context is None:
-            if allow_none:
-                return None
-            self._actual_context = _concrete_contexts[_stdlib_start_method()]
-        return self._actual_context._name  # type: ignore[no-any-return]
+    # typeshed types DefaultContext.get_start_method as returning str, BaseContext's as
+    # overloads with str | None for allow_none=True: no signature satisfies both.
+    def get_start_method(self, allow_none: bool = False) -> str | None:  # type: ignore[override]
+        return _stdlib_default.get_start_method(allow_none)
 
     def get_all_start_methods(self) -> list[str]:
-        return multiprocessing.get_all_start_methods()
-
-
-def _stdlib_start_method() -> str:
-    return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+        return _stdlib_default.get_all_start_methods()
 
 
 _default_context = DefaultContext()
 
 
-def get_context(method: str | None = None) -> Any:
-    """The tensormp context for ``method`` (``"fork"``, ``"spawn"``, ``"forkserver"``).
+def get_context(method: str | None = None, *, die_with_parent: bool = True) -> Any:
+    """The tensormp context for ``method`` (``"fork"``, ``"spawn"``, ``"forkserver"``; None:
+    the default start method), as ``multiprocessing.get_context``.
+
+    Args:
+        method: the start method.
+        die_with_parent: False gives a context whose processes outlive their parent (the
+            stdlib's behaviour); each process can still override it.
 
     Raises:
-        ValueError: unknown start method.
+        ValueError: unknown or unavailable start method.
+        TypeError: ``die_with_parent`` is not a bool.
     """
-    return _default_context.get_context(method)
+    return _default_context.get_context(method, die_with_parent=die_with_parent)

@@ -18,7 +18,9 @@ What differs from ``concurrent.futures``, and why:
 * ``max_tasks_per_child`` works with every start method (``concurrent.futures`` refuses
   ``fork``); a worker's results outlive it.
 * Futures move to RUNNING when their task is sent to a worker, which may be shortly before the
-  worker starts it (as ``concurrent.futures``, whose call queue holds a few tasks ahead).
+  worker starts it (as ``concurrent.futures``, whose call queue holds a few tasks ahead; here
+  a worker holds up to 32 tasks when its calls are tiny, about 2 ms of work, so
+  ``shutdown(cancel_futures=True)`` cancels those still waiting in the executor).
 * ``shutdown(wait=True)``, at ``with`` exit or interpreter exit, waits for the submitted work,
   as ``concurrent.futures``; garbage collecting the executor lets the work finish without
   waiting.

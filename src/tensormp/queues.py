@@ -1,26 +1,54 @@
-"""``Queue``, ``JoinableQueue`` and ``SimpleQueue`` that move arrays as shared-memory handles.
+"""``Queue``, ``JoinableQueue`` and ``SimpleQueue`` that move arrays as shared-memory handles
+and that no process's death can wedge.
 
-Same API and semantics as the stdlib's (``multiprocessing.queues``), with two differences:
+Same API and semantics as the stdlib's (``multiprocessing.queues``), with these differences:
 
 * ``put()`` pickles in the calling thread. An object that cannot be pickled or shared raises
   there, and nothing is half-sent; the stdlib and torch pickle in the feeder thread, print the
   error from there and leave the consumer blocked forever. It also means the queue captures
   the object's state at ``put()`` time.
-* The pipe underneath is a Unix socket pair carrying the fds of shared-memory segments beside
-  each message (``connection.py``), so a consumer can rebuild arrays whose producer has exited.
-* ``put()`` tries to write the message itself, without blocking (messages up to 32 KiB and
-  253 fds, when no other thread or process is writing): one thread hop and one wake-up less
-  per item. It first writes what the feeder's buffer still holds, so order is kept; whatever
-  the socket does not take at once (it is full) goes to the feeder, as in the stdlib, and
-  ``put()`` never waits for a consumer. The feeder takes a message from its buffer and
-  writes it while holding the same thread lock (``_direct``) that ``put()`` needs, and waits
-  for room with ``poll()`` *without* holding it. Measured: a producer whose writes were all
-  left to the feeder spent about twice the CPU per 4 KiB array (two threads taking turns on
-  the GIL for every message) as one that writes itself.
+* The pipe underneath is a Unix ``SOCK_SEQPACKET`` socket pair (``connection.py``): each
+  message is one record, carrying the fds of shared-memory segments, and a consumer can
+  rebuild arrays whose producer has exited.
+* No lock is shared between processes. The stdlib guards the pipe with a read lock and a
+  write lock (POSIX semaphores), and counts slots and unfinished tasks in semaphores: a
+  process killed while holding one of them, or half-way through writing a message, wedges the
+  queue for every other process. Here the kernel keeps records whole (concurrent writers and
+  readers need no lock), and slots and tasks are tokens that the kernel gives back when their
+  holder dies (``_ledger.py``).
 
-A message in a ``Queue`` (pickled, waiting in the feeder's buffer) keeps the memory it refers
-to alive until the feeder has written it to the socket; from then on the kernel holds the
-fds in flight.
+Delivery rule (what survivors see when any process is SIGKILLed at any instant)
+---------------------------------------------------------------------------------
+Every message is delivered whole, at most once, to one consumer, in each producer's order.
+The only messages lost are:
+
+* a producer's message not yet written to the socket: the one its ``put()`` was writing, and
+  those its ``put()`` left to its feeder thread because the socket was full (the stdlib's
+  behaviour; ``put()`` writes the message itself whenever the socket has room and nothing of
+  this process is waiting, which is the usual case);
+* a consumer's message already taken from the socket by the ``get()`` it was in.
+
+A slot of a bounded queue and a task of a ``JoinableQueue`` held by a process that died are
+given back (the slot at once; a ``put()`` blocked on a full queue retries within 250 ms). An
+item whose taker died before ``task_done()`` counts as done: ``join()`` never waits for the
+dead. ``qsize()`` of a bounded queue is exact (it counts live slot tokens); of an unbounded
+queue it is approximate, and may stay off by one for each process killed in the middle of a
+``put()`` or a ``get()``.
+
+How put() writes
+----------------
+``put()`` writes the record itself, without blocking, when the feeder's buffer is empty and
+the socket has room (a large pickle goes into a memfd first, so a record is always small):
+one thread hop and one wake-up less per item. It first writes what the feeder's buffer still
+holds, so order is kept; whatever the socket does not take at once goes to the feeder, as in
+the stdlib, and ``put()`` never waits for a consumer. The feeder takes a message from its
+buffer and writes it while holding the same thread lock (``_direct``) that ``put()`` needs,
+and waits for room with ``poll()`` *without* holding it. Measured: a producer whose writes
+were all left to the feeder spent about twice the CPU per 4 KiB array (two threads taking
+turns on the GIL for every message) as one that writes itself.
+
+A message in the feeder's buffer keeps the memory it refers to (and its tokens) alive until
+the feeder has written it; from then on the kernel holds the fds in flight.
 """
 
 from __future__ import annotations
@@ -39,35 +67,62 @@ from multiprocessing import util as _mputil
 from queue import Empty, Full
 from typing import Any
 
-from . import reducers
-from .connection import Pipe
+from . import _testhooks, reducers
+from ._ledger import NO_SLOT, Ledger, Token
+from .connection import Connection, Pipe, Record
 from .errors import FdLimitError
 
 __all__ = ["Queue", "JoinableQueue", "SimpleQueue"]
 
 _SEM_VALUE_MAX = 2**31 - 1
-_DIRECT_MAX = 32 << 10  # put() writes messages up to this size itself (see the module notes)
-_DIRECT_MAX_FDS = 253  # and with at most this many fds (one SCM_RIGHTS message)
 # put() waits this long (seconds) for _direct while the feeder holds it for a non-blocking
 # write, instead of leaving its message to the feeder at once: waiting hands the GIL to the
 # feeder, which then lets go of _direct, and put() writes itself again. Giving up at once made
 # the two threads convoy (the feeder holds _direct while it waits for the GIL after each
 # write): measured, the slowest round of 20,000 kept 4 KiB arrays went from 26 to 21 us/item.
-# Never waited for while the feeder is in a blocking write (a large message on a full socket).
+# Never waited for while the feeder is in a blocking write.
 _DIRECT_WAIT = 0.001
 _sentinel = object()
+_hooks = _testhooks.armed
 
 
-def _small(msg: reducers.Message) -> bool:
-    """Whether ``msg`` may be written without blocking (see the module notes)."""
-    return len(msg.data) <= _DIRECT_MAX and len(msg.fds) <= _DIRECT_MAX_FDS
+class _Outgoing:
+    """A message on its way: the pickle, and the tokens that go with it."""
+
+    __slots__ = ("msg", "tokens", "slot")
+
+    def __init__(self, msg: reducers.Message, tokens: list[Token], slot: int) -> None:
+        self.msg = msg
+        self.tokens = tokens
+        self.slot = slot
+
+    def write(self, writer: Connection, block: bool) -> bool:
+        """Write it (see ``Connection.write_record``); once written, this process's fds of
+        the tokens are closed (the kernel holds them in flight with the record)."""
+        msg = self.msg
+        reducers.flush_release_records()  # holds reach creators before our results do
+        if self.tokens:
+            if not writer.write_record(msg.data, msg.fds, [t.fd for t in self.tokens], self.slot, block):
+                return False
+            for t in self.tokens:
+                t.close()
+        elif not writer.write_record(msg.data, msg.fds, (), NO_SLOT, block):
+            return False
+        msg.sent()
+        return True
+
+    def abandon(self) -> None:
+        """It will not be sent: give back its tokens and what pickling reserved."""
+        for t in self.tokens:
+            t.close()
+        self.msg.abandon()
 
 
-def _send_blocking(writer: Any, msg: reducers.Message, blocked: list[bool]) -> None:
+def _send_blocking(writer: Connection, out: _Outgoing, blocked: list[bool]) -> None:
     """The feeder's blocking write; ``blocked[0]`` tells put() not to wait for it meanwhile."""
     blocked[0] = True
     try:
-        writer.send_message(msg)
+        out.write(writer, True)
     finally:
         blocked[0] = False
 
@@ -75,9 +130,11 @@ def _send_blocking(writer: Any, msg: reducers.Message, blocked: list[bool]) -> N
 class Queue:
     """A process-shared FIFO queue; see :class:`multiprocessing.Queue`.
 
+    No process's death can wedge it: see the module notes for the delivery rule.
+
     Args:
         maxsize: maximum number of items (``<= 0``: unbounded).
-        ctx: the tensormp context that makes its locks.
+        ctx: the tensormp context (kept for the stdlib's signature; no lock is needed).
 
     Raises (from ``put``):
         queue.Full: no room within ``timeout`` seconds (or at once with ``block=False``).
@@ -85,31 +142,25 @@ class Queue:
         TypeError, pickle.PicklingError: ``obj`` cannot be pickled (raised in the caller).
     """
 
+    _joinable = False
+
     def __init__(self, maxsize: int = 0, *, ctx: Any) -> None:
-        if maxsize <= 0:
-            maxsize = _SEM_VALUE_MAX
+        if maxsize <= 0 or maxsize >= _SEM_VALUE_MAX:
+            maxsize = 0
         self._maxsize = maxsize
         self._reader, self._writer = Pipe(duplex=False)
-        self._rlock = ctx.Lock()
+        self._ledger = Ledger(maxsize, self._joinable)
         self._opid = os.getpid()
-        self._wlock = ctx.Lock()
-        self._sem = ctx.BoundedSemaphore(maxsize)
         self._ignore_epipe = False
         self._reset()
         _mputil.register_after_fork(self, Queue._after_fork)
 
     def __getstate__(self) -> tuple[Any, ...]:
         _mpctx.assert_spawning(self)
-        return (
-            self._ignore_epipe, self._maxsize, self._reader, self._writer,
-            self._rlock, self._wlock, self._sem, self._opid,
-        )
+        return (self._ignore_epipe, self._maxsize, self._reader, self._writer, self._ledger, self._opid)
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
-        (
-            self._ignore_epipe, self._maxsize, self._reader, self._writer,
-            self._rlock, self._wlock, self._sem, self._opid,
-        ) = state
+        (self._ignore_epipe, self._maxsize, self._reader, self._writer, self._ledger, self._opid) = state
         self._reset()
 
     def _after_fork(self) -> None:
@@ -135,45 +186,102 @@ class Queue:
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         msg = reducers.dumps(obj)  # errors raise here, in the caller
-        if not self._sem.acquire(block, timeout):
+        if _hooks:
+            _testhooks.reached("put.begin")
+        ledger = self._ledger
+        tokens: list[Token] = []
+        slot = NO_SLOT
+        try:
+            if self._maxsize:
+                token = ledger.take_slot(block, timeout)
+                if token is None:
+                    raise Full
+                tokens.append(token)
+                slot = token.index
+            else:
+                ledger.count(0)
+            if self._joinable:
+                tokens.append(ledger.take_task())
+        except BaseException:
+            for t in tokens:
+                t.close()
             msg.abandon()
-            raise Full
-        self._enqueue(msg)
+            raise
+        if _hooks:
+            _testhooks.reached("put.tokens")
+        self._enqueue(_Outgoing(msg, tokens, slot))
 
-    def _enqueue(self, msg: reducers.Message) -> None:
+    def _enqueue(self, out: _Outgoing) -> None:
         if self._direct.acquire(False) or (
             not self._blocked[0] and self._direct.acquire(True, _DIRECT_WAIT)
         ):
             try:
-                if self._wlock.acquire(False):
-                    try:
-                        if self._write_now(msg):
-                            return
-                    finally:
-                        self._wlock.release()
+                if self._write_now(out):
+                    return
             finally:
                 self._direct.release()
         with self._notempty:
             if self._thread is None:
                 self._start_thread()
-            self._buffer.append(msg)
+            self._buffer.append(out)
             self._notempty.notify()
+        if _hooks:
+            _testhooks.reached("put.queued")
 
-    def _write_now(self, msg: reducers.Message) -> bool:
-        """Write what the feeder's buffer holds, then ``msg``, as far as the socket takes them
-        without blocking (holding ``_direct`` and the write lock). True when ``msg`` was
-        written; False leaves it (and what is still buffered) to the feeder."""
+    def _write_now(self, out: _Outgoing) -> bool:
+        """Write what the feeder's buffer holds, then ``out``, as far as the socket takes them
+        without blocking (holding ``_direct``). True when ``out`` was written; False leaves it
+        (and what is still buffered) to the feeder."""
         buffer = self._buffer
         writer = self._writer
         try:
             while buffer:
                 head = buffer[0]
-                if head is _sentinel or not _small(head) or not writer.try_send_message(head):
+                if head is _sentinel or not head.write(writer, False):
                     return False
                 buffer.popleft()
-            return _small(msg) and writer.try_send_message(msg)
+            return out.write(writer, False)
         except Exception:
             return False  # the feeder meets it again and reports it as the stdlib does
+
+    def _read(self, wait: bool) -> Record | None:
+        """One record; gives its slot back (and counts it) before returning."""
+        ledger = self._ledger
+        try:
+            record = self._reader.read_record(wait)
+        except (FdLimitError, OSError):  # dropped whole: its tokens are closed already
+            if self._maxsize:
+                ledger.ring()
+            else:
+                ledger.count(1)
+            raise
+        if record is None:
+            return None
+        if self._maxsize:
+            tokens = record.tokens
+            if tokens:
+                os.close(tokens[0])  # the slot: given back
+                record.tokens = tokens[1:]
+            ledger.ring(record.slot)
+        else:
+            ledger.count(1)
+        return record
+
+    def _load(self, record: Record) -> Any:
+        try:
+            obj = reducers.loads(record.data, record.fds)
+        except BaseException:
+            record.close_tokens()
+            raise
+        if _hooks:
+            _testhooks.reached("recv.loaded")
+        self._taken(record)
+        if _hooks:
+            _testhooks.reached("recv.done")
+        return obj
+
+    def _taken(self, record: Record) -> None:
+        record.close_tokens()
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         """Remove and return an item; see :meth:`multiprocessing.Queue.get`.
@@ -181,51 +289,38 @@ class Queue:
         Raises:
             queue.Empty: nothing arrived within ``timeout`` seconds (or at once).
             ValueError: the queue is closed.
+            FdLimitError: this process is out of fds (that item was dropped).
         """
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         if block and timeout is None:
-            with self._rlock:
-                try:
-                    data, fds = self._reader._recv_message()
-                except FdLimitError:
-                    self._sem.release()  # that message was consumed (and dropped)
-                    raise
-            self._sem.release()
+            record = self._read(True)
         else:
-            if block:
-                deadline = time.monotonic() + (timeout or 0.0)
-            if not self._rlock.acquire(block, timeout):
-                raise Empty
-            try:
-                reader = self._reader
-                try:
-                    got = reader._recv_message(wait=False)  # no poll when one is waiting
-                except BaseException:
-                    self._sem.release()  # as below: a failed receive consumed its message
-                    raise
-                if got is None:
-                    if not block or not self._poll(max(0.0, deadline - time.monotonic())):
-                        raise Empty
-                    try:
-                        got = reader.recv_message()
-                    finally:
-                        self._sem.release()
-                else:
-                    self._sem.release()
-                data, fds = got
-            finally:
-                self._rlock.release()
-        return reducers.loads(data, fds)
+            deadline = time.monotonic() + (timeout or 0.0) if block else 0.0
+            while True:
+                record = self._read(False)  # no poll when one is waiting
+                if record is not None:
+                    break
+                if not block:
+                    raise Empty
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._poll(left):
+                    raise Empty
+        assert record is not None
+        return self._load(record)
 
     def qsize(self) -> int:
-        return self._maxsize - self._sem._semlock._get_value()  # type: ignore[attr-defined]
+        """Items put and not yet got: exact for a bounded queue (it counts the live slots),
+        approximate for an unbounded one (see the module notes)."""
+        if self._maxsize:
+            return self._ledger.slots_taken()
+        return self._ledger.size()
 
     def empty(self) -> bool:
         return not self._poll()
 
     def full(self) -> bool:
-        return bool(self._sem._semlock._is_zero())  # type: ignore[attr-defined]
+        return bool(self._maxsize) and self._ledger.slots_taken() >= self._maxsize
 
     def get_nowait(self) -> Any:
         return self.get(False)
@@ -259,8 +354,8 @@ class Queue:
         self._thread = threading.Thread(
             target=Queue._feed,
             args=(
-                self._buffer, self._notempty, self._writer, self._wlock, self._reader.close,
-                self._writer.close, self._ignore_epipe, self._on_queue_feeder_error, self._sem,
+                self._buffer, self._notempty, self._writer, self._reader.close,
+                self._writer.close, self._ignore_epipe, self._on_queue_feeder_error,
                 self._direct, self._blocked,
             ),
             name="tensormp QueueFeederThread",
@@ -293,14 +388,14 @@ class Queue:
 
     @staticmethod
     def _feed(
-        buffer: collections.deque[Any], notempty: threading.Condition, writer: Any,
-        writelock: Any, reader_close: Any, writer_close: Any, ignore_epipe: bool,
-        onerror: Any, queue_sem: Any, direct: threading.Lock, blocked: list[bool],
+        buffer: collections.deque[Any], notempty: threading.Condition, writer: Connection,
+        reader_close: Any, writer_close: Any, ignore_epipe: bool, onerror: Any,
+        direct: threading.Lock, blocked: list[bool],
     ) -> None:
         room = select.poll()
         room.register(writer.fileno(), select.POLLOUT)
         while True:
-            msg: Any = None
+            out: Any = None
             try:
                 with notempty:
                     if not buffer:
@@ -309,42 +404,35 @@ class Queue:
                     with direct:  # take and write as one step: put() may not write between
                         if not buffer:  # put() wrote them all itself meanwhile
                             break
-                        msg = buffer.popleft()
-                        if msg is _sentinel:
+                        out = buffer.popleft()
+                        if out is _sentinel:
                             reader_close()
                             writer_close()
                             return
-                        with writelock:
-                            sent = False
-                            if _small(msg):
-                                try:
-                                    sent = writer.try_send_message(msg)
-                                except OSError as e:
-                                    if e.errno != errno.ETOOMANYREFS:
-                                        raise
-                                    _send_blocking(writer, msg, blocked)  # waits for fds in flight
-                                    sent = True
-                            else:
-                                _send_blocking(writer, msg, blocked)  # large, as the stdlib's
-                                sent = True
+                        try:
+                            sent = out.write(writer, False)
+                        except OSError as e:
+                            if e.errno != errno.ETOOMANYREFS:
+                                raise
+                            _send_blocking(writer, out, blocked)  # waits for fds in flight
+                            sent = True
                         if not sent:
-                            buffer.appendleft(msg)  # still first: put() appends behind it
-                    msg = None  # sent (the kernel holds the fds now), or back in the buffer
+                            buffer.appendleft(out)  # still first: put() appends behind it
+                    out = None  # sent (the kernel holds the fds now), or back in the buffer
                     if not sent:
                         # The socket is full: wait for room *without* holding _direct, so that
                         # put() can write itself once there is room (one thread doing the
                         # writes instead of two taking turns on the GIL for each message).
                         room.poll()
             except Exception as e:
-                if msg is not None:
-                    msg.abandon()
+                if out is not None:
+                    out.abandon()
                 if ignore_epipe and getattr(e, "errno", 0) == errno.EPIPE:
                     return
                 if _mputil.is_exiting():
                     _mputil.info("error in queue thread: %s", e)
                     return
-                queue_sem.release()
-                onerror(e, msg)
+                onerror(e, out.msg if out is not None else None)
 
     @staticmethod
     def _on_queue_feeder_error(e: BaseException, obj: Any) -> None:
@@ -362,57 +450,58 @@ class Queue:
 
 
 class JoinableQueue(Queue):
-    """A :class:`Queue` with ``task_done()`` and ``join()``; see :class:`multiprocessing.JoinableQueue`."""
+    """A :class:`Queue` with ``task_done()`` and ``join()``; see
+    :class:`multiprocessing.JoinableQueue`.
 
-    def __init__(self, maxsize: int = 0, *, ctx: Any) -> None:
-        super().__init__(maxsize, ctx=ctx)
-        self._unfinished_tasks = ctx.Semaphore(0)
-        self._cond = ctx.Condition()
+    Each item carries a task token (``_ledger.py``) from ``put()`` until the process that got
+    it calls ``task_done()``. An item whose taker died first counts as done: ``join()`` never
+    waits for a dead process. ``task_done()`` must be called in the process that got the item
+    (the stdlib allows any process).
+    """
 
-    def __getstate__(self) -> tuple[Any, ...]:
-        return Queue.__getstate__(self) + (self._cond, self._unfinished_tasks)
+    _joinable = True
 
-    def __setstate__(self, state: tuple[Any, ...]) -> None:
-        Queue.__setstate__(self, state[:-2])
-        self._cond, self._unfinished_tasks = state[-2:]
-
-    def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
-        if self._closed:
-            raise ValueError(f"Queue {self!r} is closed")
-        msg = reducers.dumps(obj)
-        if not self._sem.acquire(block, timeout):
-            msg.abandon()
-            raise Full
-        with self._cond:
-            self._unfinished_tasks.release()  # before any consumer can see the item
-        self._enqueue(msg)
+    def _taken(self, record: Record) -> None:
+        if record.tokens:  # the task token: held until task_done()
+            self._ledger.tasks.append(Token(record.tokens[0]))
+            _fdpass_close(record.tokens[1:])
+            record.tokens = []
 
     def task_done(self) -> None:
-        """Mark one item as processed. Raises ``ValueError`` if called too many times."""
-        with self._cond:
-            if not self._unfinished_tasks.acquire(False):
-                raise ValueError("task_done() called too many times")
-            if self._unfinished_tasks._semlock._is_zero():  # type: ignore[attr-defined]
-                self._cond.notify_all()
+        """Mark one item this process got as processed.
+
+        Raises:
+            ValueError: called more times than this process got items.
+        """
+        tasks = self._ledger.tasks
+        try:
+            token = tasks.popleft()
+        except IndexError:
+            raise ValueError("task_done() called too many times") from None
+        token.close()
 
     def join(self) -> None:
-        """Block until every item put has been marked done with :meth:`task_done`."""
-        with self._cond:
-            if not self._unfinished_tasks._semlock._is_zero():  # type: ignore[attr-defined]
-                self._cond.wait()
+        """Block until every item put has been got and marked done with :meth:`task_done`
+        (or its taker died)."""
+        self._ledger.wait_all_done()
+
+
+def _fdpass_close(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 class SimpleQueue:
     """A simplified queue without a feeder thread; see :class:`multiprocessing.SimpleQueue`.
 
-    ``put`` pickles and writes in the caller (blocking while the socket is full).
+    ``put`` pickles and writes in the caller (blocking while the socket is full). No lock is
+    shared between processes: each message is one record (``connection.py``), so a process
+    killed at any point cannot wedge it.
     """
 
-    def __init__(self, *, ctx: Any) -> None:
+    def __init__(self, *, ctx: Any = None) -> None:
         self._reader, self._writer = Pipe(duplex=False)
-        self._rlock = ctx.Lock()
         self._poll = self._reader.poll
-        self._wlock = ctx.Lock()
 
     def close(self) -> None:
         self._reader.close()
@@ -423,22 +512,19 @@ class SimpleQueue:
 
     def __getstate__(self) -> tuple[Any, ...]:
         _mpctx.assert_spawning(self)
-        return (self._reader, self._writer, self._rlock, self._wlock)
+        return (self._reader, self._writer)
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
-        (self._reader, self._writer, self._rlock, self._wlock) = state
+        (self._reader, self._writer) = state
         self._poll = self._reader.poll
 
     def get(self) -> Any:
-        with self._rlock:
-            data, fds = self._reader.recv_message()
-        return reducers.loads(data, fds)
+        return self._reader.recv()
 
     def put(self, obj: Any) -> None:
         msg = reducers.dumps(obj)
         try:
-            with self._wlock:
-                self._writer.send_message(msg)
+            self._writer.send_message(msg)
         except BaseException:
             msg.abandon()
             raise

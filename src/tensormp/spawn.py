@@ -9,20 +9,24 @@ raises ``ProcessRaisedException`` (with the child's traceback) or ``ProcessExite
 ("process 1 terminated with exit code 3", "... with signal SIGSEGV"). What differs from torch,
 and why:
 
-* **Reports.** Each rank reports over its own socket pair (``_child.py`` has the wire format).
-  The *child* writes: "started", then an error report or a return value, each complete in a
-  memfd before a single datagram announces it. The *parent* reads, only after the rank has
-  exited, without blocking, a bounded number of bytes. A child SIGKILLed at any point has sent
-  a whole message or none, so the parent never waits on a half-written report; a parent
-  SIGKILLed takes the children with it (``_child.py``: pdeathsig plus a pipe watchdog). No file
-  is created, so none is left behind in the temp directory (torch leaves one per rank).
+* **Reports.** Each rank (``_spawn_rank.py``) reports over its own socket pair
+  (``_spawn_report.py`` has the wire format). The *child* writes: "started", then an error
+  report or a return value, each complete in a memfd before a single datagram announces it.
+  The *parent* reads, only after the rank has exited, without blocking, a bounded number of
+  bytes. A child SIGKILLed at any point has sent a whole message or none, so the parent never
+  waits on a half-written report; a parent SIGKILLed takes the children with it
+  (``_parent_death.py``: pdeathsig plus a pipe watchdog). No file is created, so none is left
+  behind in the temp directory (torch leaves one per rank).
 * **All failures.** After the first failure the parent waits ``grace_period`` for the others,
   stops the rest (SIGTERM, then SIGKILL after another grace period, 30 s by default as torch),
-  and raises for the first failure, listing every other failure (index, pid, exit code or
-  signal, exception type and message) in the message and in ``failures``. Ranks the parent
+  and raises for the first failure. ``str(e)`` is torch's message for that one alone (for a
+  rank that raised, it ends with its traceback: code matches on that last line); every other
+  failure (index, pid, exit code or signal, exception, traceback or crash stack) is in
+  ``failures`` and in the exception's notes, which the traceback printer shows after the
+  message (Python >= 3.11; on 3.10 the notes open the message instead). Ranks the parent
   stopped are not failures.
-* **Crashes by signal** come with the rank's Python stack: the child enables ``faulthandler``
-  on a memfd it handed to the parent at start-up.
+* **Crashes by signal** come with the rank's Python stack (a note): the child enables
+  ``faulthandler`` on a memfd it handed to the parent at start-up (``_crash_log.py``).
 * **KeyboardInterrupt.** A ``KeyboardInterrupt`` that ``fn`` raises is a failure. A Ctrl-C at
   the terminal reaches the whole process group: each rank exits quietly, by ``SIGINT``, after
   its ``finally`` blocks ran (no traceback per rank); the parent forwards ``SIGINT`` to ranks
@@ -52,12 +56,14 @@ import socket
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from contextlib import contextmanager
-from multiprocessing import connection as _mpc
 from multiprocessing import process as _mpprocess
 from typing import Any, NamedTuple
 
-from . import _child
+from . import _spawn_report
+from ._by_value import FnByValue
+from ._spawn_rank import spawn_entry
 from .errors import TensormpError
 
 __all__ = [
@@ -103,7 +109,7 @@ class ProcessFailure(NamedTuple):
         traceback: the child's traceback, or its faulthandler stack after a crash, or ``""``.
     """
 
-    index: int
+    index: int  # type: ignore[assignment]  # the rank; shadows tuple.index
     pid: int
     exit_code: int
     signal_name: str | None
@@ -127,6 +133,14 @@ class ProcessFailure(NamedTuple):
 
 class ProcessException(TensormpError, Exception):
     """A ``spawn()`` rank failed; base of the ``torch.multiprocessing`` exception types.
+
+    ``str(e)`` is torch's message for the first failure: for a rank that raised, it ends with
+    that rank's traceback (code matches on its last line, as with torch). Everything else
+    tensormp knows (the other failures, with their tracebacks or ``faulthandler`` stacks, and
+    the stack of a rank killed by a signal) is in :attr:`failures` and in the exception's notes
+    (``e.__notes__``, PEP 678), which the traceback printer shows after the message on Python
+    >= 3.11. On Python 3.10, whose printer ignores notes, the notes are also put at the *start*
+    of the message, so a printed traceback loses nothing and ``str(e)`` still ends as torch's.
 
     Attributes:
         msg: the message.
@@ -161,11 +175,18 @@ class ProcessException(TensormpError, Exception):
     def _extra(self) -> dict[str, Any]:
         return {"failures": self.failures}
 
+    def _state(self) -> dict[str, Any]:
+        state = self._extra()
+        notes = getattr(self, "__notes__", None)
+        if notes is not None:
+            state["__notes__"] = list(notes)
+        return state
+
     def __reduce__(self) -> Any:
         return (
             type(self),
             (self.msg, self.error_index, self.error_pid),
-            {"exit_code": self.exit_code, "signal_name": self.signal_name, **self._extra()},
+            {"exit_code": self.exit_code, "signal_name": self.signal_name, **self._state()},
         )
 
 
@@ -216,7 +237,7 @@ class ProcessExitedException(ProcessException):
         return (
             type(self),
             (self.msg, self.error_index, self.error_pid, self.exit_code, self.signal_name),
-            self._extra(),
+            self._state(),
         )
 
 
@@ -228,8 +249,9 @@ class ProcessTimeoutError(ProcessException, TimeoutError):
     """
 
     def __init__(
-        self, msg: str, error_index: int, error_pid: int, *, running: list[int] = (), **kw: Any
-    ) -> None:  # type: ignore[assignment]
+        self, msg: str, error_index: int, error_pid: int, *, running: Sequence[int] = (),
+        **kw: Any,
+    ) -> None:
         super().__init__(msg, error_index, error_pid, **kw)
         self.running = list(running)
 
@@ -250,7 +272,7 @@ class SpawnBootstrapError(TensormpError, RuntimeError):
 
 class _Outcome(NamedTuple):
     exit_code: int
-    report: _child.ChannelReport
+    report: _spawn_report.ChannelReport
     stopped: bool  # the parent had sent it SIGTERM/SIGKILL
 
 
@@ -340,7 +362,11 @@ class ProcessContext:
         """Wait up to ``timeout`` for at least one rank to exit, and reap those that did."""
         if self._blind:
             timeout = _BLIND_POLL if timeout is None else min(timeout, _BLIND_POLL)
-        ready = _mpc.wait(list(self.sentinels), timeout)
+        # Imported here: multiprocessing.connection loads tempfile, shutil, bz2, lzma, random
+        # (milliseconds), and `import tensormp` (every spawn child's) loads this module.
+        from multiprocessing.connection import wait
+
+        ready = wait(list(self.sentinels), timeout)
         for sentinel in ready:
             self._reap(self.sentinels.pop(sentinel))
         for index in list(self._blind):
@@ -367,31 +393,35 @@ class ProcessContext:
             return
         process.join(0)  # forget it in multiprocessing's table of children
         channel = self._channels[index]
-        report = _child.read_channel(channel) if channel is not None else _child.ChannelReport()
+        report = (
+            _spawn_report.read_channel(channel)
+            if channel is not None
+            else _spawn_report.ChannelReport()
+        )
         self._outcomes[index] = _Outcome(code, report, index in self._stopped)
         if code == 0 and self._want_results:
             self._load_result(index, report)
 
-    def _load_result(self, index: int, report: _child.ChannelReport) -> None:
+    def _load_result(self, index: int, report: _spawn_report.ChannelReport) -> None:
         from . import reducers
 
         result = report.take_result()
         if result is None:
             # Exit status 0 but no return value: fn never returned (os._exit(0) in the rank, or
             # a library that ends the process). Say so rather than hand back a silent None.
-            report.error = _child.ErrorReport(
+            report.error = _spawn_report.ErrorReport(
                 "ProcessExitedWithoutResult",
                 f"process {index} exited with status 0 without returning from fn",
-                f"(process {index} exited with status 0 before fn returned: sys.exit(0), os._exit(0) or "
-                "something that ended the process; spawn(return_values=True) has no value to "
-                "give for it)\n",
+                f"(process {index} exited with status 0 before fn returned: sys.exit(0), "
+                "os._exit(0) or something that ended the process; spawn(return_values=True) has "
+                "no value to give for it)\n",
                 "",
             )
             return
         try:
             self._results[index] = reducers.loads(*result)
         except Exception as e:  # noqa: BLE001 - reported as this rank's failure
-            report.error = _child.ErrorReport(
+            report.error = _spawn_report.ErrorReport(
                 type(e).__name__, str(e),
                 f"(loading the return value of process {index} in the parent)\n"
                 f"{type(e).__name__}: {e}\n",
@@ -515,30 +545,29 @@ class ProcessContext:
             error.type if error else "", error.message if error else "", trace,
         )
 
-    def _describe(self, failure: ProcessFailure) -> str:
-        """The torch message for one failure, with what tensormp knows besides."""
+    def _torch_message(self, failure: ProcessFailure) -> str:
+        """torch's message for a failure: ``str(e)`` ends with the rank's traceback (as torch's,
+        which code matches on) or is torch's one line for an exit code or a signal."""
+        i = failure.index
+        if failure.exc_type:
+            trace = failure.traceback or f"{failure.exc_type}: {failure.exc_message}\n"
+            return f"\n\n-- Process {i} terminated with the following error:\n{trace}"
+        if failure.signal_name:
+            return f"process {i} terminated with signal {failure.signal_name}"
+        return f"process {i} terminated with exit code {failure.exit_code}"
+
+    def _first_notes(self, failure: ProcessFailure) -> list[str]:
+        """What tensormp knows of the first failure besides torch's message."""
         outcome = self._outcomes[failure.index]
         assert outcome is not None
         report = outcome.report
         i = failure.index
-        if failure.exc_type:
-            trace = failure.traceback or f"{failure.exc_type}: {failure.exc_message}\n"
-            msg = f"\n\n-- Process {i} terminated with the following error:\n{trace}"
-            if report.error is not None and report.error.note:
-                msg += f"\n[{report.error.note}]"
-            return msg
-        if failure.signal_name:
-            msg = f"process {i} terminated with signal {failure.signal_name}"
-            if failure.traceback:
-                msg += (
-                    f"\n\n-- Python stack of process {i} when it received "
-                    f"{failure.signal_name} (faulthandler):\n{failure.traceback}"
-                )
-        else:
-            msg = f"process {i} terminated with exit code {failure.exit_code}"
-        if not report.started:
-            msg += (
-                f"\n\nProcess {i} failed while starting, before running fn: importing the main "
+        notes = []
+        if failure.signal_name and failure.traceback:
+            notes.append(_stack_note(failure))
+        if not failure.exc_type and not report.started:
+            notes.append(
+                f"Process {i} failed while starting, before running fn: importing the main "
                 "module or unpickling fn and its arguments (its traceback is on stderr). If the "
                 "script calls spawn() at module level, move the call under "
                 "`if __name__ == \"__main__\":` (children re-import the main module under the "
@@ -546,8 +575,8 @@ class ProcessContext:
             )
         for note in (report.note, report.error.note if report.error else ""):
             if note:
-                msg += f"\n[{note}]"
-        return msg
+                notes.append(f"[process {i}: {note}]")
+        return notes
 
     def _failure_exception(self) -> ProcessException:
         failed = self._failed()
@@ -555,24 +584,87 @@ class ProcessContext:
         # which are often collateral (a collective op whose peer died); then by rank.
         failures = [self._failure(i) for i in failed]
         failures.sort(key=lambda f: (not (f.exc_type or f.signal_name), f.index))
-        first = failures[0]
-        msg = self._describe(first)
-        if len(failures) > 1:
-            msg += f"\n\n-- {len(failures) - 1} other process(es) failed too:\n" + "\n".join(
-                "  " + f.summary() for f in failures[1:]
+        first, others = failures[0], failures[1:]
+        notes = self._first_notes(first)
+        if others:
+            notes.append(
+                f"-- {len(others)} other process(es) failed too:\n"
+                + "\n".join("  " + f.summary() for f in others)
             )
+            stacks = [f for f in others if f.traceback]
+            notes.extend(_stack_note(f) for f in stacks[:_MAX_NOTED_STACKS])
+            if len(stacks) > _MAX_NOTED_STACKS:
+                notes.append(
+                    f"[the stacks of {len(stacks) - _MAX_NOTED_STACKS} more processes are in "
+                    "e.failures]"
+                )
+        msg = _message_with_notes(self._torch_message(first), notes)
+        error: ProcessException
         if first.exc_type:
-            return ProcessRaisedException(
+            error = ProcessRaisedException(
                 msg, first.index, first.pid, exc_type=first.exc_type,
                 exc_message=first.exc_message, exit_code=first.exit_code,
                 signal_name=first.signal_name, failures=failures,
             )
-        return ProcessExitedException(
-            msg, first.index, first.pid, first.exit_code, first.signal_name, failures=failures
+        else:
+            error = ProcessExitedException(
+                msg, first.index, first.pid, first.exit_code, first.signal_name,
+                failures=failures,
+            )
+        _attach_notes(error, notes)
+        return error
+
+
+_MAX_NOTED_STACKS = 8  # other failures whose stacks become notes; the rest: in e.failures
+# The traceback printer shows exception notes from Python 3.11 on (PEP 678).
+_PRINTER_SHOWS_NOTES = sys.version_info >= (3, 11)
+
+
+def _stack_note(failure: ProcessFailure) -> str:
+    i = failure.index
+    if failure.exc_type:
+        return f"-- Process {i} terminated with the following error:\n{failure.traceback}"
+    return (
+        f"-- Python stack of process {i} when it received {failure.signal_name} "
+        f"(faulthandler):\n{failure.traceback}"
+    )
+
+
+def _message_with_notes(message: str, notes: list[str]) -> str:
+    """``str(e)``: torch's message alone where the traceback printer shows notes; on Python
+    3.10, whose printer does not, the notes come first, so nothing is lost from a printed
+    traceback and ``str(e)`` still ends as torch's does."""
+    if _PRINTER_SHOWS_NOTES or not notes:
+        return message
+    return "\n\n".join(notes) + ("" if message.startswith("\n") else "\n\n") + message
+
+
+def _attach_notes(error: BaseException, notes: list[str]) -> None:
+    """``add_note`` on Python >= 3.11; on 3.10 the same list as ``__notes__`` (PEP 678's
+    attribute, which 3.10's printer ignores; the notes are in the message there)."""
+    if not notes:
+        return
+    if _PRINTER_SHOWS_NOTES:
+        for note in notes:
+            error.add_note(note)  # type: ignore[attr-defined,unused-ignore]
+    else:
+        error.__notes__ = list(notes)  # type: ignore[attr-defined,unused-ignore]
+
+
+class SpawnContext(ProcessContext):
+    """torch's old name for :class:`ProcessContext`: constructing one warns, as in torch.
+
+    Deprecated: use :class:`ProcessContext`.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        warnings.warn(
+            "SpawnContext is renamed to ProcessContext (as in torch since 1.4); use "
+            "tensormp.ProcessContext",
+            stacklevel=2,
         )
+        super().__init__(*args, **kwargs)
 
-
-SpawnContext = ProcessContext  # torch's old name
 
 
 # -- starting ---------------------------------------------------------------------------------
@@ -623,7 +715,7 @@ def _defined_at_top_level(fn: Any) -> bool:
 
 
 def _prepare_fn(fn: Any, method: str) -> Any:
-    """``fn`` as the child gets it: itself (by reference), or :class:`_child.FnByValue`.
+    """``fn`` as the child gets it: itself (by reference), or :class:`_by_value.FnByValue`.
 
     Raises:
         TypeError: ``fn`` is a lambda or a local function and cloudpickle is not installed.
@@ -645,7 +737,7 @@ def _prepare_fn(fn: Any, method: str) -> Any:
             "import by name; install cloudpickle (pip install cloudpickle) so tensormp can send "
             "it by value, or define fn at the top level of a module"
         ) from None
-    return _child.FnByValue(cloudpickle.dumps(fn), f"{module}.{qualname}")
+    return FnByValue(cloudpickle.dumps(fn), f"{module}.{qualname}")
 
 
 def _free_port() -> int:
@@ -688,7 +780,7 @@ def start_processes(
     Args:
         fn: the function; a lambda or local function works too (sent with cloudpickle).
         args: extra positional arguments for ``fn``.
-        nprocs: the number of processes (ranks).
+        nprocs: the number of processes (ranks); 0 starts none (as torch).
         join: wait for the ranks (True) or return a :class:`ProcessContext` at once.
         daemon: the ranks' ``daemon`` flag.
         start_method: the start method.
@@ -719,8 +811,8 @@ def start_processes(
     _check_not_bootstrapping()
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 0:
+        raise ValueError(f"nprocs must be an int >= 0, got {nprocs!r}")
     for name, value in (("timeout", timeout), ("grace_period", grace_period)):
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0
@@ -735,6 +827,11 @@ def start_processes(
 
     ctx = get_context(start_method)
     method = ctx.get_start_method()
+    if nprocs == 0:  # nothing to start (torch returns None too)
+        empty = ProcessContext([], [], return_values=return_values)
+        if not join:
+            return empty
+        return [] if return_values else None
     target = _prepare_fn(fn, method)
     args = tuple(args)
     base_env = _distributed_env(nprocs) if distributed else None
@@ -757,7 +854,7 @@ def start_processes(
                 if base_env is not None:
                     env = {**base_env, "RANK": str(i), "LOCAL_RANK": str(i)}
                 process = ctx.Process(
-                    target=_child.spawn_entry,
+                    target=spawn_entry,
                     args=(target, i, args, theirs, env, return_values),
                     daemon=daemon,
                 )
@@ -819,6 +916,14 @@ def spawn(
     Keyword arguments (``timeout``, ``grace_period``, ``return_values``, ``distributed``) are
     those of :func:`start_processes`.
 
+    Beyond one machine (torch.distributed.elastic; see :mod:`tensormp.elastic`): under
+    ``torchrun`` this process is one rank already, so spawn() starts no process and runs
+    ``fn(LOCAL_RANK, *args)`` here (``nprocs`` must be torchrun's ``LOCAL_WORLD_SIZE``). With
+    ``nnodes=N, rdzv_endpoint="host:port"`` (plus ``rdzv_id=None``, ``max_restarts=0``,
+    ``rdzv_timeout=600``, ``monitor_interval=0.1``, ``local_addr=None``), the same call on N
+    machines forms one job of ``N * nprocs`` ranks through torch's c10d rendezvous;
+    ``fn(local_index, *args)`` runs in each; a failure of any rank raises on every node.
+
     Example::
 
         def train(rank, weights):          # weights: a shared numpy array
@@ -845,5 +950,10 @@ def spawn(
             FutureWarning,
             stacklevel=2,
         )
+    if "nnodes" in kwargs or os.environ.get("TORCHELASTIC_RUN_ID"):  # beyond one machine
+        from . import elastic
+
+        if "nnodes" in kwargs or elastic.under_torchrun():
+            return elastic.spawn(fn, tuple(args), nprocs, join, **kwargs)
     return start_processes(fn, args, nprocs, join, daemon, start_method="spawn", **kwargs)
 

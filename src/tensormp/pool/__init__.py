@@ -13,14 +13,19 @@ deque and wake the manager (a pipe). ``imap`` pulls from its iterable in a *feed
 which waits while many tasks are already queued, so a huge generator of arrays is never
 materialised.
 
-**Tasks.** A task is one call (``apply``) or one chunk of a map. The manager pickles it just
-before sending it, with tensormp's reducers: a numpy argument not yet in shared memory is copied
-once into a block of the parent's and the pickle holds a handle (~200 bytes). A worker holds at
-most two tasks: the one it runs and, while more tasks wait than there are workers and the
-message is small, the next one, queued in its socket so it need not wait for a round trip. A
-worker runs its tasks one at a time, in the order sent. The function goes by reference when the
-workers can import it by name (as the stdlib); lambdas, local functions, functions defined under
-``if __name__ == "__main__":`` and callables that plain pickle refuses go by value with
+**Tasks.** A task is one call (``apply``) or one chunk of a map. It is pickled with tensormp's
+reducers just before it is sent: a numpy argument not yet in shared memory is copied once into
+a block of the parent's and the pickle holds a handle (~200 bytes). Usually the manager sends
+it; a single task submitted while a worker can take it at once is pickled and sent by the
+caller's own thread (``manager.py``, "Direct send": a thread hop less). A worker holds the task
+it runs and, while more tasks wait than there are workers, a few more queued in its socket so
+it need not wait for a round trip: one more when its calls take a millisecond or more or the
+task carries shared memory, up to 32 when its calls are tiny (about 2 ms of queued work, from
+the run times the worker reports; ``manager.py``, "Prefetch"). Tiny tasks the manager sends to
+one worker at once travel as one message (a batch), each still answered on its own. A worker
+runs its tasks one at a time, in the order sent. The function goes by reference when the
+workers can import it by name (as the stdlib); lambdas, local functions, functions defined
+under ``if __name__ == "__main__":`` and callables that plain pickle refuses go by value with
 cloudpickle (as ``tensormp.spawn``), unpickled once per worker.
 
 **Results.** The worker answers ``(seq, ok, value)``: the value, or the exception with its
@@ -31,15 +36,15 @@ answer belongs to the oldest task outstanding on that worker (checked by ``seq``
 
 **Dead workers.** The manager polls every worker's socket and process sentinel (plus a
 ``waitpid`` once a second, for a sentinel that a grandchild keeps open). When a worker ends, it
-first reads what the socket still holds (a result sent just before death is delivered), then
-the exit status. Since a worker runs its tasks in order, the oldest task still outstanding is
-the one it was running: its result fails with :class:`WorkerLostError` (pid, exit code or signal
+first reads what the socket still holds (a result sent just before death is delivered), then the
+exit status. Since a worker runs its tasks in order, the oldest task still outstanding is the
+one it was running: its result fails with :class:`WorkerLostError` (pid, exit code or signal
 name, task; chained with the worker's traceback when a task called ``sys.exit()``, or its
-faulthandler stack after SIGSEGV/SIGBUS/SIGABRT...). A younger task was never read: it is
-pickled anew for another worker. The pool starts a replacement and stays usable. A worker
-that dies before it is ready (the initializer raised, the main module failed to import) makes
-the pool *broken* (:class:`BrokenPoolError` for every task not yet running and every new call)
-instead of respawning forever as the stdlib does.
+faulthandler stack after SIGSEGV/SIGBUS/SIGABRT...). A younger task was never started (at most
+read, in a batch): it is pickled anew for another worker. The pool starts a replacement and
+stays usable. A worker that dies before it is ready (the initializer raised, the main module
+failed to import) makes the pool *broken* (:class:`BrokenPoolError` for every task not yet
+running and every new call) instead of respawning forever as the stdlib does.
 
 What each party sees when a worker is SIGKILLed (the OOM killer sends SIGKILL):
 
@@ -51,7 +56,7 @@ What each party sees when a worker is SIGKILLed (the OOM killer sends SIGKILL):
 * while sending a result: the parent reads a partial message, gets EOF, and fails that task;
 * after sending a result: the result is delivered; only the replacement is visible.
 
-The parent SIGKILLed: every worker dies with it (``_child.py``: ``PR_SET_PDEATHSIG`` plus a
+The parent SIGKILLed: every worker dies with it (``_parent_death.py``: ``PR_SET_PDEATHSIG`` plus a
 watchdog pipe; workers that the manager thread replaced rely on the watchdog alone).
 
 **Who frees shared memory.** Arguments: blocks the parent created when it pickled the task.

@@ -2,11 +2,34 @@
 sent, and the *manager thread*; shared by :class:`tensormp.Pool` and
 ``tensormp.ProcessPoolExecutor``.
 
-Callers' threads (and imap feeders) touch only the task deque and the state, under ``_lock``,
-and wake the manager through a pipe. The manager thread owns the rest (once the constructor has
-started the first workers): it starts replacement workers, pickles and sends tasks (at most two
-per worker), reads results and runs the result sinks (callbacks included), reaps dead workers,
-fails or requeues their tasks, and at the end stops the workers and closes every fd.
+Callers' threads (and imap feeders) touch the task deque and the state, under ``_lock``, and
+wake the manager through an eventfd, only when it may be asleep with nothing to do (a manager
+waiting for a worker's answer re-reads the deque when it comes). The manager thread owns the rest
+(once the constructor has started the first workers): it starts replacement workers, pickles and
+sends tasks (a few per worker: see "Prefetch"), reads results and runs the result sinks (callbacks
+included), reaps dead workers, fails or requeues their tasks, and at the end stops the workers
+and closes every fd.
+
+*Direct send.* One exception, for latency: a single task submitted while the deque is empty and
+a worker is idle is pickled and sent by the caller's own thread (no hop through the manager;
+``apply()`` of a tiny call is about 1.5 thread wake-ups faster). Every write to a worker's
+channel, every append to a worker's ``outstanding`` by a sender, and every step that makes a
+worker unusable (its channel closed, it stopping, it gone) happens under ``_send_lock``; a
+caller only tries that lock (never waits behind a large send by the manager) and sends only
+what goes in without blocking, else it leaves the task to the manager as before. The answer
+still comes back through the manager, which reads every channel. Tasks carrying blocks of ours
+(arrays: the worker must be registered as their holder first), large ones, and pools with
+``maxtasksperchild`` always go through the manager.
+
+*Prefetch.* A worker whose tasks are tiny would sleep and be woken once per task, as would the
+manager, if it held only the task it runs: on 2 cores that costs more than the tasks (the
+stdlib's shared queue holds every task at once, so its workers never wait). So the manager keeps
+up to ``depth`` small tasks queued in a worker's channel, ``depth`` chosen so that they add up
+to about ``_PREFETCH_BUDGET`` seconds of run time (the worker measures each call; a moving
+average; at least 2, at most ``_MAX_DEPTH``): tasks of a millisecond or more keep the old "one running, one queued",
+while thousands of microsecond tasks stream. A worker's queue gets another task only while more
+tasks wait than there are workers, so an idle worker is always served first. Tasks that carry
+our shared memory (pinned while queued) or are large are queued at most one deep.
 :class:`_Worker` is its record of one worker. What a worker's death does to its tasks, and who
 frees which shared memory, is in the package's design note (``__init__.py``).
 """
@@ -32,7 +55,11 @@ from .worker import _DYING, _INIT_ERROR, _READY, _RESULT, _RawFd, _worker_main
 
 _RUN, _CLOSE, _TERMINATE = "RUN", "CLOSE", "TERMINATE"  # the engine's states (Pool.join reads them)
 _WAKE, _CONN, _SENTINEL = 0, 1, 2  # what a polled fd is
-_PREFETCH_MAX_BYTES = 64 << 10  # never queue a bigger message behind a running task
+_PREFETCH_MAX_BYTES = 64 << 10  # never queue a bigger message behind a running task (nor send
+# one from a caller's thread)
+_PREFETCH_BUDGET = 0.002  # seconds of tasks queued in a worker's channel (see "Prefetch")
+_MAX_DEPTH = 32  # tasks in a worker's channel at most (the one it runs included)
+_EMA = 0.25  # weight of the newest sample in a worker's time per task
 _TERM_GRACE = 2.0  # seconds from SIGTERM to SIGKILL in terminate()
 _STOP_GRACE = 5.0  # seconds a worker told to stop (close()) may take to exit before SIGKILL
 _REAP_TIMEOUT = 5.0  # seconds to wait for the exit status of a worker whose sentinel fired
@@ -44,7 +71,8 @@ _MAX_STARTUP_FAILURES = 3  # workers killed by a signal before ready, in a row, 
 class _Worker:
     __slots__ = (
         "process", "conn", "crash_fd", "pid", "ready", "assigned", "outstanding", "eof",
-        "retiring", "stopping", "dying", "init_error", "gone", "stop_deadline",
+        "retiring", "stopping", "dying", "init_error", "gone", "stop_deadline", "per_task",
+        "depth",
     )
 
     def __init__(self, process: Any, conn: Any, crash_fd: int) -> None:
@@ -62,6 +90,17 @@ class _Worker:
         self.init_error: BaseException | None = None
         self.gone = False
         self.stop_deadline: float | None = None
+        self.per_task = -1.0  # seconds a task runs, a moving average (-1: none ran yet)
+        self.depth = 2  # tasks it may hold (see "Prefetch")
+
+    def timed(self, seconds: float) -> None:
+        """A task ran ``seconds``: update the moving average and the depth."""
+        per = self.per_task = seconds if self.per_task < 0 else (
+            self.per_task + _EMA * (seconds - self.per_task)
+        )
+        self.depth = _MAX_DEPTH if per * _MAX_DEPTH <= _PREFETCH_BUDGET else max(
+            2, int(_PREFETCH_BUDGET / per)
+        )
 
 
 class _Engine:
@@ -90,7 +129,13 @@ class _Engine:
         self._broken_error = broken_error
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # feeders wait here for the deque to drain
-        self._room_limit = 4 * processes + 4
+        # Tasks an imap feeder may queue here: a few per worker, or as many as the workers'
+        # queues hold when their tasks are tiny (one feeder wake-up per half of it).
+        self._min_room = self._room_limit = 4 * processes + 4
+        self._room_waiters = 0
+        self._send_lock = threading.Lock()  # writes to workers' channels (see "Direct send")
+        self._direct = maxtasks is None
+        self._asleep = True  # the manager may wait in poll() with tasks it could send: wake it
         self._pending: collections.deque[_Task] = collections.deque()
         self._state = _RUN
         self._broken_msg: str | None = None
@@ -101,11 +146,12 @@ class _Engine:
         self.workers: list[_Worker] = []
         self._startup_failures = 0
         self._last_liveness = time.monotonic()
+        self._answers: list[tuple[_Task, bool, Any]] = []  # read, not yet delivered
         self._poller = select.poll()
         self._fdmap: dict[int, tuple[int, _Worker | None]] = {}
-        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._wake_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._woken = False
-        self._register(self._wake_r, _WAKE, None)
+        self._register(self._wake_fd, _WAKE, None)
         try:
             for _ in range(processes):
                 self._start_worker()
@@ -136,6 +182,10 @@ class _Engine:
         return self._state
 
     def submit(self, tasks: list[_Task], *, feeder: bool = False) -> None:
+        if len(tasks) == 1 and self._direct and not self._pending and self._send_direct(
+            tasks[0], feeder
+        ):
+            return
         with self._lock:
             if self._broken_msg is not None:
                 raise self.broken()
@@ -145,9 +195,74 @@ class _Engine:
                     "create a new one"
                 )
             for task in tasks:
-                task.seq = next(self._seq)
+                if not task.seq:  # (set already when a direct send fell back with its pickle)
+                    task.seq = next(self._seq)
             self._pending.extend(tasks)
-            self._wake_locked()
+            if self._asleep:
+                self._wake_locked()
+
+    def _send_direct(self, task: _Task, feeder: bool) -> bool:
+        """Send ``task`` from the caller's thread to a worker that can take it now: True when
+        it was sent (or its future was cancelled); False to leave it to the manager (see
+        "Direct send" above)."""
+        target = self._room_for(None)
+        if target is None:
+            return False
+        task.seq = next(self._seq)
+        try:
+            msg = reducers.dumps((task.seq, task.fn.wire, task.kind, task.args))
+        except Exception:  # noqa: BLE001 - the manager pickles it again and reports the error
+            return False
+        task.msg = msg
+        if msg.noted or len(msg.data) > _PREFETCH_MAX_BYTES:
+            return False  # the manager sends it (pickled already)
+        if not self._send_lock.acquire(blocking=False):
+            return False
+        try:
+            state = self._state
+            if self._broken_msg is not None or not (
+                state == _RUN or (feeder and state == _CLOSE)
+            ):
+                return False
+            if self._room_for(msg) is not target:
+                target = self._room_for(msg)  # the manager sent meanwhile: look again
+                if target is None:
+                    return False
+            if task.start is not None:
+                start, task.start = task.start, None
+                if not start():  # a future cancelled before it was sent
+                    msg.abandon()
+                    task.msg = None
+                    return True
+            target.outstanding.append(task)  # before the answer can arrive
+            try:
+                sent = target.conn.try_send_message(msg)
+            except OSError:  # the worker is gone: the manager will see it
+                sent = False
+            if not sent:
+                target.outstanding.pop()
+                return False
+            target.assigned += 1
+            return True
+        finally:
+            self._send_lock.release()
+
+    def _room_for(self, msg: reducers.Message | None) -> _Worker | None:
+        """A worker a caller's thread may send a task to now: an idle one, else the least
+        loaded one whose tasks are known to be short (depth over 2: queued work stays within
+        the prefetch budget) when the message carries no fds. ``msg`` None: not pickled yet."""
+        best = None
+        for w in self.workers:
+            if not w.ready or w.eof or w.stopping or w.retiring or w.gone:
+                continue
+            held = len(w.outstanding)
+            if held == 0:
+                return w
+            if w.depth > 2 and held < w.depth and (best is None or held < len(best.outstanding)):
+                best = w
+        if best is not None and msg is not None and msg.fds:
+            return None
+        return best
 
     def feeder_started(self) -> None:
         """Raises: as :meth:`check_running` (checked under the lock, so the manager cannot
@@ -167,16 +282,23 @@ class _Engine:
             self._feeders -= 1
             self._wake_locked()
 
-    def wait_room(self) -> bool:
-        """A feeder waits until few tasks are queued; False when the pool was terminated."""
+    def wait_room(self) -> int:
+        """A feeder waits until few tasks are queued: how many more it may queue now (at least
+        1), or 0 when the pool was terminated."""
         with self._room:
             while (
                 len(self._pending) >= self._room_limit
                 and self._state != _TERMINATE
                 and self._broken_msg is None
             ):
-                self._room.wait()
-            return self._state != _TERMINATE
+                self._room_waiters += 1
+                try:
+                    self._room.wait()
+                finally:
+                    self._room_waiters -= 1
+            if self._state == _TERMINATE:
+                return 0
+            return max(1, self._room_limit - len(self._pending))
 
     def take_pending(self) -> list[_Task]:
         """Remove and return every task not sent yet (``shutdown(cancel_futures=True)``)."""
@@ -214,11 +336,11 @@ class _Engine:
             self._thread.join()
 
     def _wake_locked(self) -> None:
-        if not self._woken and self._wake_w >= 0:
+        if not self._woken and self._wake_fd >= 0:
             self._woken = True
             try:
-                os.write(self._wake_w, b"\0")
-            except (BlockingIOError, OSError):
+                os.eventfd_write(self._wake_fd, 1)
+            except OSError:
                 pass
 
     # -- the manager thread -----------------------------------------------------------------
@@ -292,9 +414,8 @@ class _Engine:
 
     def _drain_wake(self) -> None:
         try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except (BlockingIOError, OSError):
+            os.eventfd_read(self._wake_fd)
+        except OSError:  # BlockingIOError: drained already
             pass
         with self._lock:
             self._woken = False
@@ -347,43 +468,56 @@ class _Engine:
                 return
 
     def _on_readable(self, w: _Worker) -> None:
-        while not w.eof:
-            try:
-                reply = w.conn.recv()
-            except FdLimitError as e:  # that message was dropped; the channel stays usable
-                self._fail_oldest(w, e)
-            except (EOFError, OSError):
-                self._channel_closed(w)
-                return
-            except Exception as e:  # noqa: BLE001 - a result the parent cannot unpickle
-                if hasattr(e, "add_note"):
-                    e.add_note(f"({self.owner}: loading a task's result in the parent)")
-                self._fail_oldest(w, e)
-            else:
-                self._handle(w, reply)
-            try:
-                if not w.conn.poll(0):
+        """Read every message ``w`` has sent so far, then hand out the answers.
+
+        A non-blocking read is the probe for the next message (no poll(0) per message). The
+        answers go out together, after the reads: a caller waiting on them is woken once per
+        batch, not once per result (each wake-up of a thread that then wants our GIL costs two
+        context switches on a busy machine)."""
+        try:
+            while not w.eof:
+                try:
+                    got = w.conn.recv_message(wait=False)
+                    if got is None:
+                        return
+                    reply = reducers.loads(*got)
+                except FdLimitError as e:  # that message was dropped; the channel stays usable
+                    self._fail_oldest(w, e)
+                except (EOFError, OSError):
+                    self._channel_closed(w)
                     return
-            except OSError:
-                self._channel_closed(w)
-                return
+                except Exception as e:  # noqa: BLE001 - a result the parent cannot unpickle
+                    if hasattr(e, "add_note"):
+                        e.add_note(f"({self.owner}: loading a task's result in the parent)")
+                    self._fail_oldest(w, e)
+                else:
+                    self._handle(w, reply)
+        finally:
+            answers, self._answers = self._answers, []
+            for task, ok, value in answers:
+                self._deliver(task, ok, value)
 
     def _channel_closed(self, w: _Worker) -> None:
-        if not w.eof:
-            w.eof = True
-            self._unregister(w.conn.fileno())
-            w.conn.close()  # a live worker then reads EOF and exits: its sentinel tells us
+        with self._send_lock:
+            if not w.eof:
+                w.eof = True
+                self._unregister(w.conn.fileno())
+                w.conn.close()  # a live worker then reads EOF and exits: its sentinel tells us
 
     def _handle(self, w: _Worker, reply: Any) -> None:
         tag = reply[0]
         if tag == _RESULT:
-            _, seq, ok, value = reply
+            _, seq, ok, value, seconds = reply
             if not w.outstanding or (seq is not None and w.outstanding[0].seq != seq):
                 raise RuntimeError(
                     f"worker {w.pid} answered task #{seq}, expected "
                     f"{w.outstanding[0].seq if w.outstanding else 'none'}"
                 )
-            self._deliver(w.outstanding.popleft(), ok, value)
+            depth = w.depth
+            w.timed(seconds)
+            if w.depth != depth:
+                self._room_limit = max(self._min_room, sum(x.depth for x in self.workers))
+            self._answers.append((w.outstanding.popleft(), ok, value))
         elif tag == _READY:
             w.ready = True
             self._startup_failures = 0
@@ -394,7 +528,7 @@ class _Engine:
 
     def _fail_oldest(self, w: _Worker, error: BaseException) -> None:
         if w.outstanding:
-            self._deliver(w.outstanding.popleft(), False, error)
+            self._answers.append((w.outstanding.popleft(), False, error))
 
     def _on_exit(self, w: _Worker) -> None:
         if w.gone:
@@ -402,7 +536,7 @@ class _Engine:
         if not w.eof:
             try:
                 if w.conn.poll(0):
-                    self._on_readable(w)  # a result sent before it died is still delivered
+                    self._on_readable(w)  # results sent before it died are delivered
             except OSError:
                 pass
         code = self._reap(w)
@@ -467,13 +601,14 @@ class _Engine:
         return raw.decode("utf-8", "replace").strip()
 
     def _forget(self, w: _Worker) -> None:
-        w.gone = True
+        with self._send_lock:  # from here on, no caller's thread sends to it
+            w.gone = True
+            if not w.eof:
+                w.eof = True
+                self._unregister(w.conn.fileno())
+                w.conn.close()
         if w in self.workers:
             self.workers.remove(w)
-        if not w.eof:
-            w.eof = True
-            self._unregister(w.conn.fileno())
-            w.conn.close()
         self._unregister(w.process.sentinel)
         try:
             w.process.close()
@@ -516,27 +651,54 @@ class _Engine:
 
     # -- tasks ------------------------------------------------------------------------------
     def _dispatch(self) -> None:
+        """Send pending tasks to workers that can take them. Small tasks without fds bound
+        for the same worker in one round go as one message (a batch: one ``sendmsg``, one
+        GIL release, instead of one per task); the worker still answers each on its own."""
+        while True:
+            planned: dict[_Worker, list[_Task]] = {}
+            try:
+                drained = self._plan(planned)
+            finally:
+                for w, tasks in planned.items():
+                    self._send_tasks(w, tasks)
+            with self._lock:
+                if not drained:  # we wait for a worker's answer (or exit), and look again then
+                    self._asleep = False
+                    return
+                if self._pending:  # submitted while we sent
+                    continue
+                self._asleep = self._hungry()
+                return
+
+    def _plan(self, planned: dict[_Worker, list[_Task]]) -> bool:
+        """Take pending tasks for the workers (into ``planned``, or sent at once when they
+        cannot be batched) until none is left (True) or no worker can take the next (False)."""
+        batching = self._maxtasks is None
+        planned_bytes: dict[_Worker, int] = {}
         while True:
             with self._lock:
                 npending = len(self._pending)
             if not npending:
-                return
+                return True
             idle = busy = None
+            busy_held = 0
             for w in self.workers:
                 if not w.ready or w.eof or w.stopping or w.retiring:
                     continue
-                if len(w.outstanding) == 0:
+                held = len(w.outstanding) + len(planned.get(w, ()))
+                if held == 0:
                     idle = w
                     break
-                if busy is None and len(w.outstanding) == 1:
-                    busy = w
+                if held < w.depth and (busy is None or held < busy_held):
+                    busy, busy_held = w, held  # the least loaded
             if idle is None and (busy is None or npending < len(self.workers)):
-                return
+                return False
             with self._lock:
                 if not self._pending:
-                    return
+                    return True
                 task = self._pending.popleft()
-                self._room.notify_all()
+                if self._room_waiters and len(self._pending) <= self._room_limit // 2:
+                    self._room.notify_all()  # feeders refill half the room at once
             if task.start is not None:
                 start, task.start = task.start, None
                 if not start():  # cancelled while it waited
@@ -546,12 +708,36 @@ class _Engine:
             msg = self._pickle(task)
             if msg is None:
                 continue
-            target = idle if idle is not None else busy
-            if idle is None and len(msg.data) > _PREFETCH_MAX_BYTES:
-                with self._lock:  # a big message waits for an idle worker (no deadlock)
+            target: _Worker = idle if idle is not None else busy  # type: ignore[assignment]
+            heavy = bool(msg.fds or msg.noted)
+            if idle is None and (
+                len(msg.data) > _PREFETCH_MAX_BYTES or (busy_held > 1 and heavy)
+            ):
+                with self._lock:  # it waits for an idle (or less loaded) worker: no deadlock
                     self._pending.appendleft(task)
-                return
-            self._send(target, task)  # type: ignore[arg-type]
+                return False
+            batch = planned.setdefault(target, [])
+            batch.append(task)
+            size = planned_bytes[target] = planned_bytes.get(target, 0) + len(msg.data)
+            if not batching or heavy or size > _PREFETCH_MAX_BYTES:
+                # sent now, after what was planned for that worker (in order)
+                del planned[target], planned_bytes[target]
+                self._send_tasks(target, batch)
+
+    def _hungry(self) -> bool:
+        """With nothing pending: must a submit wake us? Not while every worker holds at least
+        half its depth (at least one task): its next answer wakes us, and we look at the deque
+        then, so tasks submitted one by one are sent in bursts (an imap feeder does not hand
+        each task to this thread). Conservative when unsure: a wake too many costs a syscall,
+        one too few a hang."""
+        usable = False
+        for w in self.workers:
+            if not w.ready or w.eof or w.stopping or w.retiring:
+                continue
+            usable = True
+            if len(w.outstanding) < max(1, w.depth // 2):
+                return True
+        return not usable
 
     def _pickle(self, task: _Task) -> reducers.Message | None:
         if task.msg is not None:
@@ -572,8 +758,17 @@ class _Engine:
             return None
         return task.msg
 
-    def _send(self, w: _Worker, task: _Task) -> None:
-        msg = task.msg
+    def _send_tasks(self, w: _Worker, tasks: list[_Task]) -> None:
+        """Send ``tasks`` (pickled) to ``w``: one message, or a batch of fd-less ones."""
+        if len(tasks) == 1:
+            msg = tasks[0].msg
+        else:
+            heavy = tasks[-1].msg
+            if heavy is not None and (heavy.fds or heavy.noted):  # a batch, then that one
+                self._send_tasks(w, tasks[:-1])
+                self._send_tasks(w, tasks[-1:])
+                return
+            msg = reducers.dumps([t.msg.data for t in tasks])  # type: ignore[union-attr]
         assert msg is not None
         if msg.noted:
             # The worker holds one handle to each of our blocks in the message (it sends no
@@ -582,16 +777,22 @@ class _Engine:
             from ..memory.allocator import register_holder
 
             register_holder(w.pid, msg.noted)
-        try:
-            w.conn.send_message(msg)
-        except OSError:  # the worker is gone (its sentinel will say how)
-            task.msg = None  # registered to that worker: pickle anew for another
+        with self._send_lock:
+            try:
+                w.conn.send_message(msg)
+            except OSError:  # the worker is gone (its sentinel will say how)
+                failed = True
+            else:
+                failed = False
+                w.outstanding.extend(tasks)
+                w.assigned += len(tasks)
+        if failed:
+            for task in tasks:
+                task.msg = None  # registered to that worker: pickle anew for another
             with self._lock:
-                self._pending.appendleft(task)
+                self._pending.extendleft(reversed(tasks))
             self._channel_closed(w)
             return
-        w.outstanding.append(task)
-        w.assigned += 1
         if self._maxtasks is not None and w.assigned >= self._maxtasks:
             w.retiring = True  # it exits after this task: start its successor now
             self._replenish()
@@ -622,16 +823,20 @@ class _Engine:
         """close(): once every task is done, stop the workers; True when all have exited."""
         with self._lock:
             busy = bool(self._pending) or self._feeders > 0
-        if busy or any(w.outstanding for w in self.workers):
-            return False
-        for w in self.workers:
-            if not w.stopping and not w.eof:
-                w.stopping = True
-                w.stop_deadline = time.monotonic() + _STOP_GRACE
-                try:
-                    w.conn.send(None)
-                except OSError:
-                    self._channel_closed(w)
+        closed = []
+        with self._send_lock:  # no direct send slips in between the check and the stop
+            if busy or any(w.outstanding for w in self.workers):
+                return False
+            for w in self.workers:
+                if not w.stopping and not w.eof:
+                    w.stopping = True
+                    w.stop_deadline = time.monotonic() + _STOP_GRACE
+                    try:
+                        w.conn.send(None)
+                    except OSError:
+                        closed.append(w)
+        for w in closed:
+            self._channel_closed(w)
         return not self.workers
 
     def _shutdown(self) -> None:
@@ -639,15 +844,18 @@ class _Engine:
         alive = [w for w in self.workers if not w.gone]
         for w in alive:
             if w.process.exitcode is None:
-                if w.ready and not w.outstanding and not w.eof and not w.stopping:
-                    # Idle: a clean exit, which hands back what the worker received at once
-                    # (a killed worker's holds wait for the creators' liveness checks).
-                    try:
-                        w.conn.send(None)
-                        w.stopping = True
-                        continue
-                    except OSError:
-                        pass
+                with self._send_lock:
+                    idle = w.ready and not w.outstanding and not w.eof and not w.stopping
+                    if idle:
+                        # Idle: a clean exit, which hands back what the worker received at
+                        # once (a killed worker's holds wait for the creators' liveness checks).
+                        try:
+                            w.conn.send(None)
+                            w.stopping = True
+                        except OSError:
+                            idle = False
+                if idle:
+                    continue
                 try:
                     w.process.terminate()
                 except (OSError, ValueError):
@@ -676,11 +884,10 @@ class _Engine:
             )
             self._deliver(task, False, error)
         with self._lock:
-            self._unregister(self._wake_r)
-            for fd in (self._wake_r, self._wake_w):
-                if fd >= 0:
-                    os.close(fd)
-            self._wake_r = self._wake_w = -1
+            self._unregister(self._wake_fd)
+            if self._wake_fd >= 0:
+                os.close(self._wake_fd)
+            self._wake_fd = -1
             if self._state != _TERMINATE:
                 self._state = _TERMINATE if self._state == _RUN else self._state
 

@@ -45,27 +45,39 @@ def _check_callbacks(callback: Any, error_callback: Any) -> None:
 
 def _feed(
     engine: _Engine, fn: _Fn, items: Iterator[Any], chunksize: int, result: IMapIterator,
-    what: str,
+    what: str, at_hand: bool,
 ) -> None:
-    """Feeder thread of imap: chunks from ``items`` into the engine, never many ahead."""
+    """Feeder thread of imap: chunks from ``items`` into the engine, never many ahead.
+
+    ``at_hand``: the iterable is a list, tuple or range, whose items are there already; then
+    the chunks that fit go in together (one hand-off to the manager for many tiny tasks).
+    Others are pulled one chunk at a time and each goes at once: a generator may take long to
+    give the next item, and what it gave must not wait for it.
+    """
     index = 0
     first = 0
     try:
         while True:
-            chunk = list(itertools.islice(items, chunksize))
-            if not chunk:
-                break
-            if not engine.wait_room():
+            room = engine.wait_room()
+            if not room:
                 raise engine._broken_error(
                     f"{engine.owner} was terminated before {what}() submitted every item "
                     f"(stopped after {first})"
                 )
-            label = (what, fn.name, index, None, first, len(chunk))
-            sink = functools.partial(result._set, index)
-            engine.submit([_Task(fn, _MAP, chunk, sink, label)], feeder=True)
-            index += 1
-            first += len(chunk)
-            del chunk
+            tasks = []
+            for _ in range(room if at_hand else 1):
+                chunk = list(itertools.islice(items, chunksize))
+                if not chunk:
+                    break
+                label = (what, fn.name, index, None, first, len(chunk))
+                sink = functools.partial(result._set, index)
+                tasks.append(_Task(fn, _MAP, chunk, sink, label))
+                index += 1
+                first += len(chunk)
+            if not tasks:
+                break
+            engine.submit(tasks, feeder=True)
+            del tasks, chunk
     except BaseException as e:  # noqa: BLE001 - the iterable raised, or the pool broke
         result._set(index, False, e)
         index += 1
@@ -312,7 +324,9 @@ class Pool:
         self._engine.feeder_started()
         try:
             threading.Thread(
-                target=_feed, args=(self._engine, fn, items, chunksize, result, what),
+                target=_feed,
+                args=(self._engine, fn, items, chunksize, result, what,
+                      isinstance(iterable, (list, tuple, range))),
                 name=f"tensormp.Pool {what} feeder", daemon=True,
             ).start()
         except BaseException:
@@ -355,7 +369,7 @@ class Pool:
     def __del__(self, _warn: Any = warnings.warn) -> None:
         engine = self.__dict__.get("_engine")
         if engine is not None and engine.state == _RUN:
-            _warn(f"unclosed running tensormp.Pool {self!r}", ResourceWarning, source=self)
+            _warn(f"unclosed running multiprocessing pool {self!r}", ResourceWarning, source=self)
 
     @property
     def _pool(self) -> list[Any]:

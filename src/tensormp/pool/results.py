@@ -32,8 +32,12 @@ class AsyncResult:
         error_callback: Callable[[BaseException], Any] | None,
     ) -> None:
         self._pool = pool  # keeps the pool alive until the result is in (as the stdlib)
-        self._event = threading.Event()
-        self._cond = threading.Condition(threading.Lock())
+        # Done: ``_done`` True and ``_latch`` released. A held lock instead of an Event: one
+        # allocation instead of a Condition, a deque and a lock per call, and a waiter needs no
+        # lock of its own (this is per task: thousands of tiny apply_async calls).
+        self._done = False
+        self._latch = threading.Lock()
+        self._latch.acquire()
         self._callback = callback
         self._error_callback = error_callback
         self._success: bool | None = None
@@ -41,7 +45,7 @@ class AsyncResult:
 
     def ready(self) -> bool:
         """Whether the call has completed."""
-        return self._event.is_set()
+        return self._done
 
     def successful(self) -> bool:
         """Whether the call completed without raising.
@@ -55,7 +59,14 @@ class AsyncResult:
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait until the result is available or ``timeout`` seconds pass."""
-        self._event.wait(timeout)
+        if self._done:
+            return
+        if timeout is None:
+            got = self._latch.acquire()
+        else:
+            got = self._latch.acquire(timeout=max(0.0, timeout))
+        if got:
+            self._latch.release()  # the next waiter's turn
 
     def get(self, timeout: float | None = None) -> Any:
         """The result; raises the task's exception if it raised.
@@ -84,10 +95,9 @@ class AsyncResult:
             elif not self._success and self._error_callback is not None:
                 self._error_callback(self._value)
         finally:
-            self._event.set()
             self._pool = None
-            with self._cond:
-                self._cond.notify_all()
+            self._done = True
+            self._latch.release()
 
     def __repr__(self) -> str:
         state = "pending" if not self.ready() else ("ok" if self._success else "failed")
@@ -107,6 +117,7 @@ class MapResult(AsyncResult):
     def __init__(
         self, pool: Any, chunksize: int, length: int, callback: Any, error_callback: Any
     ) -> None:
+        self._cond = threading.Condition(threading.Lock())  # progress: each chunk done
         super().__init__(pool, callback, error_callback)
         self._chunksize = chunksize
         self._length = length
@@ -132,15 +143,22 @@ class MapResult(AsyncResult):
         if done:
             self._finish()
 
+    def _finish(self) -> None:
+        try:
+            super()._finish()
+        finally:
+            with self._cond:
+                self._cond.notify_all()
+
     def _follow(self, reporter: _Progress) -> None:
         """Caller's thread: feed ``reporter`` until the map is done."""
         try:
             shown = -1
             while True:
                 with self._cond:
-                    if self.items_done == shown and not self._event.is_set():
+                    if self.items_done == shown and not self._done:
                         self._cond.wait(1.0)
-                    done, finished = self.items_done, self._event.is_set()
+                    done, finished = self.items_done, self._done
                 if done != shown:
                     reporter.update(done)
                     shown = done

@@ -15,7 +15,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .. import _child, reducers
+from .. import reducers
+from .._by_value import FnByValue
 
 _top_level: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
@@ -58,7 +59,7 @@ class _Fn:
 
     @property
     def by_value(self) -> bool:
-        return isinstance(self.wire, _child.FnByValue)
+        return isinstance(self.wire, FnByValue)
 
     def to_value(self) -> None:
         """Send the callable by value from now on.
@@ -77,7 +78,7 @@ class _Fn:
                 "the top level of a module"
             ) from None
         module = getattr(self.fn, "__module__", None) or "?"
-        self.wire = _child.FnByValue(cloudpickle.dumps(self.fn), f"{module}.{self.name}")
+        self.wire = FnByValue(cloudpickle.dumps(self.fn), f"{module}.{self.name}")
 
 
 def _prepare(fn: Any, what: str = "func") -> _Fn:

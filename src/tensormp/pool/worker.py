@@ -8,12 +8,15 @@ What crosses the worker's ``Connection`` (pickled with tensormp's reducers):
 
 * parent -> worker: a task ``(seq, fn, kind, args)``: ``kind`` is ``_CALL`` (``args`` is
   ``(args, kwargs)``), ``_MAP`` (a chunk of items) or ``_STARMAP`` (a chunk of argument tuples);
-  ``fn`` is the callable, or a ``_child.FnByValue`` (cloudpickle) kept unpickled in a small
-  cache. ``None``: stop.
+  ``fn`` is the callable, or a ``_by_value.FnByValue`` (cloudpickle) kept unpickled in a small
+  cache. A list: a batch, the pickles of several such tasks that carry no fds (tiny tasks sent
+  in one message), run and answered one by one as if sent one by one. ``None``: stop.
 * worker -> parent: ``(_READY, pid)`` once the initializer ran; ``(_INIT_ERROR, exc)`` when it
-  raised (then exit code 1); ``(_RESULT, seq, ok, value)`` for each task, in order (``seq`` is
-  None when the task could not be received or unpickled); ``(_DYING, seq, traceback)`` just
-  before a ``BaseException`` (``SystemExit``...) raised by a task ends the worker.
+  raised (then exit code 1); ``(_RESULT, seq, ok, value, seconds)`` for each task, in order
+  (``seq`` is None when the task could not be received or unpickled; ``seconds``: how long the
+  call ran, which sets how many tasks the parent queues ahead, ``manager.py`` "Prefetch");
+  ``(_DYING, seq, traceback)`` just before a ``BaseException`` (``SystemExit``...) raised by a
+  task ends the worker.
 
 The crash log is a memfd of the parent's, passed as a ``Process`` argument (:class:`_RawFd`);
 the worker points ``faulthandler`` at it, and the parent reads it when the worker dies of a
@@ -29,9 +32,11 @@ import os
 import reprlib
 import signal
 import sys
+from time import perf_counter
 from typing import Any
 
-from .. import _child, reducers
+from .. import reducers
+from .._by_value import FnByValue
 from ..errors import FdLimitError
 
 _CALL, _MAP, _STARMAP = 0, 1, 2  # task kinds
@@ -91,7 +96,7 @@ def _send_quietly(conn: Any, obj: Any) -> None:
 
 
 def _load_fn(fn: Any, cache: dict[bytes, Any]) -> Any:
-    if not isinstance(fn, _child.FnByValue):
+    if not isinstance(fn, FnByValue):
         return fn
     loaded = cache.get(fn.data)
     if loaded is None:
@@ -104,6 +109,7 @@ def _load_fn(fn: Any, cache: dict[bytes, Any]) -> Any:
 
 def _run_task(conn: Any, task: Any, cache: dict[bytes, Any]) -> tuple[Any, ...]:
     seq, fn, kind, args = task
+    t0 = perf_counter()
     try:
         f = _load_fn(fn, cache)
         if kind == _CALL:
@@ -113,11 +119,11 @@ def _run_task(conn: Any, task: Any, cache: dict[bytes, Any]) -> tuple[Any, ...]:
         else:
             value = [f(*x) for x in args]
     except Exception as e:
-        return (_RESULT, seq, False, _wrap(e))
+        return (_RESULT, seq, False, _wrap(e), perf_counter() - t0)
     except BaseException as e:  # SystemExit, KeyboardInterrupt...: this worker ends with it
         _send_quietly(conn, (_DYING, seq, _format(e)))
         raise
-    return (_RESULT, seq, True, value)
+    return (_RESULT, seq, True, value, perf_counter() - t0)
 
 
 def _worker_main(
@@ -154,16 +160,20 @@ def _worker_main(
     except OSError:  # the pool is gone already
         return
     cache: dict[bytes, Any] = {}
+    batch: list[bytes] = []  # the pickles of a batch's tasks not run yet, last first
     done = 0
     while maxtasks is None or done < maxtasks:
-        reply: Any
-        try:
-            data, fds = conn.recv_message()
-        except FdLimitError as e:  # that task was dropped; say so, and go on
-            reply = (_RESULT, None, False, _wrap(e))
-        except (EOFError, OSError):  # the parent closed our channel
-            return
+        reply: Any = None
+        if batch:
+            data, fds = batch.pop(), []
         else:
+            try:
+                data, fds = conn.recv_message()
+            except FdLimitError as e:  # that task was dropped; say so, and go on
+                reply = (_RESULT, None, False, _wrap(e), 0.0)
+            except (EOFError, OSError):  # the parent closed our channel
+                return
+        if reply is None:
             # The parent registered us as the holder of its own blocks in this task before
             # sending it (as for Process arguments): no hold records for those.
             reducers.process_args_parent(parent_pid)
@@ -172,11 +182,13 @@ def _worker_main(
             except Exception as e:
                 if hasattr(e, "add_note"):
                     e.add_note("(unpickling the task in the pool worker)")
-                reply = (_RESULT, None, False, _wrap(e))
+                reply = (_RESULT, None, False, _wrap(e), 0.0)
             else:
                 if task is None:
                     return
-                reply = None
+                if type(task) is list:  # a batch: each task answered on its own, in order
+                    batch = task[::-1]
+                    continue
             finally:
                 reducers.process_args_parent(0)
             del data, fds
@@ -191,6 +203,6 @@ def _worker_main(
             from multiprocessing.pool import MaybeEncodingError
 
             short = _Repr(reprlib.repr(reply[3]))
-            conn.send((_RESULT, reply[1], False, _wrap(MaybeEncodingError(e, short))))
+            conn.send((_RESULT, reply[1], False, _wrap(MaybeEncodingError(e, short)), reply[4]))
         reply = None
         done += 1

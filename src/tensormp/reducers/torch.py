@@ -373,7 +373,7 @@ def reduce_tensor(t: Any) -> Any:
     """
     if t.requires_grad and not t.is_leaf:
         raise RuntimeError(
-            f"cannot send a non-leaf tensor that requires grad ({_describe(t)}, grad_fn="
+            f"cannot send a non-leaf tensor with requires_grad=True ({_describe(t)}, grad_fn="
             f"{type(t.grad_fn).__name__}): autograd graphs do not cross processes (torch."
             "multiprocessing refuses it too). Send t.detach() for the data, or a leaf tensor "
             "or Parameter."

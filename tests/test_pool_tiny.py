@@ -1,0 +1,231 @@
+"""The per-task paths of the pool engine (pool/manager.py: "Direct send", "Prefetch"): callers
+sending to workers themselves, batches of tiny tasks, deep queues in a worker's channel, and
+what a worker's death or close() does to them. Real processes, real SIGKILLs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import tensormp as mp
+from conftest import wait_for
+from tensormp.pool import WorkerLostError
+
+
+def _inc(x):
+    return x + 1
+
+
+def _log_and_inc(path, x):
+    with open(path, "a") as f:  # one short O_APPEND write per run: a record of who ran
+        f.write(f"{x}\n")
+    return x + 1
+
+
+def _block(path):
+    Path(path).write_text(str(os.getpid()))
+    time.sleep(60)
+
+
+def _sleep(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+def _deep(pool) -> int:
+    return max(w.depth for w in pool._engine.workers)
+
+
+@pytest.mark.timeout(60)
+def test_tiny_tasks_from_many_threads_all_arrive_once():
+    with mp.get_context("spawn").Pool(2) as pool:
+        errors = []
+
+        def caller(k):
+            try:
+                for i in range(60):
+                    assert pool.apply(_inc, (i,)) == i + 1
+                got = [r.get(timeout=30) for r in [pool.apply_async(_inc, (i,)) for i in range(300)]]
+                assert got == list(range(1, 301))
+                assert list(pool.imap(_inc, range(300))) == list(range(1, 301))
+                assert sorted(pool.imap_unordered(_inc, iter(range(300)))) == list(range(1, 301))
+                assert pool.map(_inc, range(1000), chunksize=1) == list(range(1, 1001))
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append((k, e))
+
+        threads = [threading.Thread(target=caller, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert _deep(pool) > 2, "tiny tasks queue deeper than one running and one waiting"
+        # Several threads waiting on one result all wake.
+        result = pool.apply_async(_sleep, (0.2,))
+        seen = []
+        waiters = [threading.Thread(target=lambda: seen.append(result.get(10))) for _ in range(4)]
+        for t in waiters:
+            t.start()
+        for t in waiters:
+            t.join()
+        assert seen == [0.2] * 4 and result.ready() and result.successful()
+
+
+@pytest.mark.timeout(60)
+def test_long_tasks_keep_the_queue_short():
+    with mp.get_context("spawn").Pool(2) as pool:
+        pool.map(_inc, range(2000), chunksize=1)
+        assert _deep(pool) > 2
+        assert pool.map(_sleep, [0.05] * 8, chunksize=1) == [0.05] * 8
+        # Calls of 50 ms: the prefetch budget (2 ms of queued work) keeps "one running, one
+        # queued", so a task never waits behind many long ones while another worker idles.
+        assert _deep(pool) == 2
+
+
+@pytest.mark.timeout(60)
+def test_sigkill_with_a_deep_queue_fails_one_task_and_reruns_the_rest_once(tmp_path):
+    log, pid_file = tmp_path / "ran", tmp_path / "pid"
+    with mp.get_context("spawn").Pool(1) as pool:
+        pool.map(_inc, range(2000), chunksize=1)  # the worker's queue gets deep
+        assert _deep(pool) > 2
+        victim = pool.apply_async(_block, (str(pid_file),))
+        queued = [pool.apply_async(_log_and_inc, (str(log), i)) for i in range(40)]
+        pid = int(wait_for(lambda: pid_file.exists() and pid_file.read_text(), 30))
+        assert len(pool._engine.workers[0].outstanding) > 2, "tasks queued behind the victim"
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerLostError) as info:
+            victim.get(timeout=30)
+        assert info.value.pid == pid and info.value.signal_name == "SIGKILL"
+        assert [r.get(timeout=30) for r in queued] == list(range(1, 41))
+        ran = sorted(int(x) for x in log.read_text().split())
+        assert ran == list(range(40)), "each queued task ran exactly once"
+
+
+@pytest.mark.timeout(60)
+def test_close_while_threads_submit():
+    pool = mp.get_context("spawn").Pool(2)
+    pool.map(_inc, range(500), chunksize=1)
+    accepted, refused, stop = [], [], threading.Event()
+
+    def submitter():
+        i = 0
+        while not stop.is_set():
+            try:
+                accepted.append((i, pool.apply_async(_inc, (i,))))
+            except ValueError:  # closed: as the stdlib
+                refused.append(i)
+                return
+            i += 1
+
+    threads = [threading.Thread(target=submitter) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    pool.close()
+    stop.set()
+    for t in threads:
+        t.join()
+    pool.join()  # returns: every accepted task ran, then the workers stopped
+    assert accepted and len(refused) <= 3
+    assert all(r.get(timeout=1) == i + 1 for i, r in accepted)
+
+
+@pytest.mark.timeout(60)
+def test_import_loads_only_what_is_used(tmp_path):
+    script = tmp_path / "child_modules.py"
+    script.write_text(
+        "import sys\n"
+        "import tensormp\n"
+        "def report(path):\n"
+        "    open(path, 'w').write('\\n'.join(sorted(sys.modules)))\n"
+        "if __name__ == '__main__':\n"
+        "    assert 'tensormp.connection' not in sys.modules, sorted(sys.modules)\n"
+        "    import tensormp.spawn\n"
+        "    assert callable(tensormp.spawn) and tensormp.spawn.__module__ == 'tensormp.spawn'\n"
+        "    p = tensormp.get_context('spawn').Process(target=report, args=(sys.argv[1],))\n"
+        "    p.start(); p.join(); assert p.exitcode == 0\n"
+    )
+    out = tmp_path / "modules"
+    subprocess.run([sys.executable, str(script), str(out)], check=True, timeout=50)
+    loaded = set(out.read_text().split())
+    assert "tensormp.context" in loaded  # its Process class
+    for heavy in ("numpy", "tensormp.connection", "multiprocessing.connection", "tensormp.pool",
+                  "tempfile"):
+        assert heavy not in loaded, f"a Process child imported {heavy}"
+
+
+def _work_briefly(x):
+    time.sleep(0.0002)
+    return x * 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_random_sigkills_with_tiny_tasks_from_threads_never_hang_or_mix_up():
+    import random
+
+    rng = random.Random(3)
+    # fork: a replacement starts at once (a spawn or forkserver one imports pytest first, which
+    # takes seconds on a loaded machine); the paths under test are the same.
+    with mp.get_context("fork").Pool(2) as pool:
+        stop = threading.Event()
+
+        def killer():
+            while not stop.is_set():
+                time.sleep(rng.uniform(0.01, 0.3))
+                pids = [w.pid for w in list(pool._engine.workers) if w.ready and not w.gone]
+                if pids:
+                    try:
+                        os.kill(rng.choice(pids), signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+
+        counts = {"ok": 0, "lost": 0}
+        errors = []
+        lock = threading.Lock()
+
+        def caller(k):
+            try:
+                for round_ in range(8):
+                    base = 1000 * (100 * k + round_)
+                    results = [pool.apply_async(_work_briefly, (base + i,)) for i in range(150)]
+                    results += [None] * 10
+                    for i, r in enumerate(results):
+                        try:
+                            got = pool.apply(_work_briefly, (base + i,)) if r is None else \
+                                r.get(timeout=60)
+                        except WorkerLostError as e:
+                            assert e.signal_name == "SIGKILL", e
+                            n = "lost"
+                        else:
+                            if r is not None:
+                                assert got == 2 * (base + i), (got, base + i)
+                            n = "ok"
+                        with lock:
+                            counts[n] += 1
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        thread = threading.Thread(target=killer)
+        thread.start()
+        callers = [threading.Thread(target=caller, args=(k,)) for k in range(3)]
+        try:
+            for t in callers:
+                t.start()
+            for t in callers:
+                t.join()
+        finally:
+            stop.set()
+            thread.join()
+        assert not errors, errors
+        assert counts["ok"] + counts["lost"] == 3 * 8 * 160 and counts["lost"] > 0
+        time.sleep(0.3)  # the killer's last victim is noticed and replaced
+        assert wait_for(lambda: sum(w.ready for w in pool._engine.workers) == 2, 30)
+        assert pool.map(_inc, range(100)) == list(range(1, 101))
