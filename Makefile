@@ -35,6 +35,7 @@ docs: $(DOCS_STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info demo_output site

@@ -1,18 +1,21 @@
-"""Arrays in shared memory: ``share``, ``is_shared`` and allocation (numpy signatures)."""
+"""Arrays in shared memory: ``share``, ``is_shared`` and allocation (numpy signatures).
+
+``share`` and ``is_shared`` take an object of any array library in the reducer table
+(``reducers.LIBRARIES``) and dispatch to that library's helpers; the allocation functions make
+numpy arrays (their signatures are numpy's).
+"""
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from numpy.typing import DTypeLike
 
-from . import memory
+from . import memory, reducers
 from .memory.allocator import find_block
-from .reducers.numpy import copy_to_shared
-from .torch_utils import is_torch_object
 
 __all__ = [
     "share", "is_shared", "empty", "zeros", "ones", "full",
@@ -20,15 +23,18 @@ __all__ = [
 ]
 
 ShapeLike = int | Sequence[int]
+Order = Literal["C", "F"]
 
 
-def _check_array(a: Any, what: str) -> np.ndarray:
-    if not isinstance(a, np.ndarray):
+def _helpers(a: Any, what: str) -> reducers.ArrayHelpers:
+    """The helpers of ``a``'s array library (``reducers.LIBRARIES``)."""
+    helpers = reducers.helpers_for(a)
+    if helpers is None:
         raise TypeError(
             f"{what}() takes a numpy.ndarray, got {type(a).__module__}.{type(a).__qualname__}; "
             "convert it with numpy.asarray() first"
         )
-    return a
+    return helpers
 
 
 def is_shared(a: Any) -> bool:
@@ -42,11 +48,7 @@ def is_shared(a: Any) -> bool:
     Raises:
         TypeError: ``a`` is not a ``numpy.ndarray`` (or one of those torch objects).
     """
-    if not isinstance(a, np.ndarray) and is_torch_object(a):
-        from . import torch_utils
-
-        return torch_utils.is_shared(a)
-    return find_block(_check_array(a, "is_shared")) is not None
+    return _helpers(a, "is_shared").is_shared(a)
 
 
 def share(a: Any) -> Any:
@@ -65,27 +67,12 @@ def share(a: Any) -> Any:
             Python objects.
         SharedMemoryError: the memory could not be reserved (an ``OSError``).
     """
-    if not isinstance(a, np.ndarray) and is_torch_object(a):
-        from . import torch_utils
-
-        return torch_utils.share(a)
-    _check_array(a, "share")
-    if a.dtype.hasobject:
-        raise TypeError(
-            f"cannot share an array of dtype {a.dtype}: it holds Python object pointers, which "
-            "mean nothing in another process; it is pickled by value when sent instead"
-        )
-    if find_block(a) is not None:
-        return a
-    out, _root = copy_to_shared(a)
-    if not a.flags.writeable:
-        out.flags.writeable = False
-    return out
+    return _helpers(a, "share").share(a)
 
 
 def _shape(shape: ShapeLike) -> tuple[int, ...]:
     try:
-        dims = (operator.index(shape),)  # type: ignore[arg-type]
+        dims: tuple[int, ...] = (operator.index(shape),)  # type: ignore[arg-type]
     except TypeError:
         try:
             dims = tuple(operator.index(d) for d in shape)  # type: ignore[union-attr]
@@ -96,7 +83,7 @@ def _shape(shape: ShapeLike) -> tuple[int, ...]:
     return dims
 
 
-def empty(shape: ShapeLike, dtype: DTypeLike = float, order: str = "C") -> np.ndarray:
+def empty(shape: ShapeLike, dtype: DTypeLike = float, order: Order = "C") -> np.ndarray:
     """A new array in shared memory, contents undefined (as ``numpy.empty``).
 
     Args:
@@ -123,10 +110,11 @@ def empty(shape: ShapeLike, dtype: DTypeLike = float, order: str = "C") -> np.nd
     for d in dims:
         nbytes *= d
     root = memory.allocate(nbytes)
-    return np.ndarray(dims, dt, buffer=root, order=order)
+    out: np.ndarray = np.ndarray(dims, dt, buffer=root, order=order)
+    return out
 
 
-def zeros(shape: ShapeLike, dtype: DTypeLike = float, order: str = "C") -> np.ndarray:
+def zeros(shape: ShapeLike, dtype: DTypeLike = float, order: Order = "C") -> np.ndarray:
     """A new shared array of zeros (as ``numpy.zeros``); see :func:`empty` for errors.
 
     Every byte is zeroed, padding of structured dtypes included (a recycled block holds old
@@ -138,7 +126,7 @@ def zeros(shape: ShapeLike, dtype: DTypeLike = float, order: str = "C") -> np.nd
     return a
 
 
-def ones(shape: ShapeLike, dtype: DTypeLike = float, order: str = "C") -> np.ndarray:
+def ones(shape: ShapeLike, dtype: DTypeLike = float, order: Order = "C") -> np.ndarray:
     """A new shared array of ones (as ``numpy.ones``); see :func:`empty` for errors."""
     a = empty(shape, dtype, order)
     np.copyto(a, 1, casting="unsafe")  # as numpy.ones (works for void and structured dtypes)
@@ -146,7 +134,7 @@ def ones(shape: ShapeLike, dtype: DTypeLike = float, order: str = "C") -> np.nda
 
 
 def full(
-    shape: ShapeLike, fill_value: Any, dtype: DTypeLike | None = None, order: str = "C"
+    shape: ShapeLike, fill_value: Any, dtype: DTypeLike | None = None, order: Order = "C"
 ) -> np.ndarray:
     """A new shared array filled with ``fill_value`` (as ``numpy.full``); dtype defaults to
     ``numpy.array(fill_value).dtype``. See :func:`empty` for errors."""
@@ -157,9 +145,11 @@ def full(
     return a
 
 
-def _like(a: Any, dtype: DTypeLike | None, shape: ShapeLike | None) -> tuple[Any, Any, str]:
+def _like(
+    a: Any, dtype: DTypeLike | None, shape: ShapeLike | None
+) -> tuple[ShapeLike, DTypeLike, Order]:
     a = np.asanyarray(a)
-    order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
+    order: Order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
     return (a.shape if shape is None else shape), (a.dtype if dtype is None else dtype), order
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["is_torch_object", "share", "is_shared"]
+__all__ = ["is_torch_object", "handles", "share", "is_shared"]
 
 
 def is_torch_object(obj: object) -> bool:
@@ -26,6 +26,10 @@ def is_torch_object(obj: object) -> bool:
         (torch.Tensor, torch.UntypedStorage, torch.TypedStorage, torch.nn.Module,
          torch.optim.Optimizer),
     )
+
+
+# The reducer table's name for it (``reducers.LIBRARIES``: this module is torch's helpers).
+handles = is_torch_object
 
 
 def _storage_parts(t: Any) -> list[Any]:

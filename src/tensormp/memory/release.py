@@ -27,7 +27,7 @@ from the kernel (``SCM_CREDENTIALS``), never from the record:
   been counted (an early arrival is remembered and cancels the acquire when it comes), so the
   count can never reach zero while the forwarder's view is out.
 
-Holds are announced lazily: a rebuild only notes the block (``allocator._unannounced``); the
+Holds are announced lazily: a rebuild only notes the block (``MemoryState.unannounced``); the
 ``H`` records go out when this process sends a message, exits, or at the latest
 ``_OUTBOX_AGE`` after the rebuild (a timer thread, which also runs while the main thread waits
 for the next message). A handle dropped before
@@ -74,12 +74,12 @@ import time
 from collections.abc import Callable
 
 # A (pid, start time) pair names a process for good: pids are reused, start times are not.
-from ..strategies.file_system import process_start_time
+from ..liveness import process_start_time
 
 __all__ = [
     "ReleaseServer", "send_records", "pack", "post", "post_flush", "maybe_flush", "take_queued",
     "schedule_flush",
-    "has_queued", "set_flusher", "process_start_time", "reset_after_fork",
+    "has_queued", "set_flusher", "flush", "process_start_time", "reset_after_fork",
 ]
 
 _RECORD = struct.Struct("<c16sQIQ")  # op, segment id, block offset, count, acquire token
@@ -248,6 +248,14 @@ def set_flusher(flush: Callable[[], None]) -> None:
     """Register the function the flush timer calls (it must take the caller's lock)."""
     global _flusher
     _flusher = flush
+
+
+def flush() -> None:
+    """Send queued hold/release records (and what the strategies queued) now, through the
+    registered flusher; nothing before the allocator registered one (nothing is queued)."""
+    flusher = _flusher
+    if flusher is not None:
+        flusher()
 
 
 def _on_timer() -> None:

@@ -1,28 +1,33 @@
-"""Segments: one ``memfd`` (an anonymous shared-memory file) or one named file, and one mapping.
+"""Segments: one shared-memory file (a ``memfd``, or a named file), and its one mapping.
 
 Protocol and ownership
 ----------------------
-* A segment is created by exactly one process, its *creator*, with ``memfd_create``. The
-  creator allocates every page up front (``MADV_POPULATE_WRITE``, or ``posix_fallocate`` on
-  kernels before 5.14), after checking the request against the available memory, so running out
-  of memory is an ``OSError`` (``ENOMEM``/``ENOSPC``) in the caller at allocation time and never
-  a ``SIGBUS`` on a later page fault.
-* A segment has a 16-byte random identity (``Segment.id``) that travels in every handle. Each
-  process keeps at most one :class:`Segment` object per identity (the registry in
-  ``allocator.py``): one fd and one mapping, whatever the number of arrays it holds in it.
-* Another process gets the segment as an fd carried by the message itself (``SCM_RIGHTS`` on
-  a Unix socket, or the fd inheritance of a process start), never by name. So there is no
-  name to leak: the kernel frees the memory when the last fd and the last mapping are gone, in
-  whatever order processes exit, ``kill -9`` included.
-* Under the ``file_system`` strategy a segment is instead a named file in the shm directory
-  (``strategies/file_system.py`` has the names and who removes them): the process maps it and
-  closes the fd at once (``Segment.fd`` is -1, ``Segment.name`` is set), and handles carry the
-  name. The creator removes the name when its allocator lets the segment go; the cleanup
-  daemon removes names that a dead creator left and nobody can need.
+* A segment is created by exactly one process, its *creator*, through the current sharing
+  strategy (``strategies/``: ``file_descriptor.py`` makes memfds, ``file_system.py`` named
+  files). The creator allocates every page up front (``MADV_POPULATE_WRITE``, or
+  ``posix_fallocate`` on kernels before 5.14: :meth:`Segment.reserve`), after checking the
+  request against the available memory, so running out of memory is an ``OSError``
+  (``ENOMEM``/``ENOSPC``) in the caller at allocation time and never a ``SIGBUS`` on a later
+  page fault.
+* A segment has a 16-byte random identity (``Segment.id``) that travels in every handle, with
+  its size, creator, kind and the code of its strategy (``Segment.wire``). Each process keeps
+  at most one :class:`Segment` object per identity (the registry in ``memory/state.py``): one
+  fd and one mapping, whatever the number of arrays it holds in it.
+* The segment's strategy (``Segment.strategy``) says what a handle carries so that another
+  process can map it: the fd itself, carried by the message (``SCM_RIGHTS`` on a Unix socket,
+  or the fd inheritance of a process start), so there is no name to leak and the kernel frees
+  the memory when the last fd and the last mapping are gone, in whatever order processes exit,
+  ``kill -9`` included; or (``file_system``) a name in the shm directory, in which case the
+  process maps the file and closes the fd at once (``Segment.fd`` is -1, ``Segment.name`` is
+  set). The creator lets the strategy drop the name (``Strategy.remove``) when its allocator
+  lets the segment go; the cleanup daemon removes names that a dead creator left and nobody
+  can need.
 * Closing a segment unmaps it and closes its fd in this process only. Every array tensormp
-  hands out is a view of a block *root* (``allocator.py``), and views keep their root alive,
-  so the allocator closes a segment only when the last root in it has died: no array can
-  outlive its mapping.
+  hands out is a view of a block *root* (``memory/blocks.py``), and views keep their root
+  alive, so the allocator closes a segment only when the last root in it has died: no array
+  can outlive its mapping.
+
+This module imports no other layer of tensormp (errors aside): strategies build on it.
 """
 
 from __future__ import annotations
@@ -32,10 +37,15 @@ import errno
 import mmap
 import os
 import struct
+from typing import TYPE_CHECKING
 
 from ..errors import SharedMemoryError
 
-__all__ = ["Segment", "NamedFd", "format_bytes", "WIRE_SIZE", "unpack_wire"]
+if TYPE_CHECKING:
+    from ..strategies.base import Strategy
+    from .blocks import RootRef
+
+__all__ = ["Segment", "format_bytes", "available_memory", "WIRE_SIZE", "STRATEGY_AT", "unpack_wire"]
 
 PAGE_SIZE = mmap.PAGESIZE
 
@@ -54,17 +64,19 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 _MADV_POPULATE_WRITE = 23
 
 # What a handle says about its segment, packed once per segment (``Segment.wire``): id, size,
-# creator pid, kind, then the creator's release address (the rest of the bytes).
-_WIRE = struct.Struct("<16sQIc")
+# creator pid, kind, strategy code, then the creator's release address (the rest of the bytes).
+_WIRE = struct.Struct("<16sQIcB")
 WIRE_SIZE = _WIRE.size
+STRATEGY_AT = WIRE_SIZE - 1  # index of the strategy code in the wire bytes
 _KINDS = {"arena": b"a", "large": b"l"}
 _KIND_NAMES = {v: k for k, v in _KINDS.items()}
 
 
-def unpack_wire(wire: bytes) -> tuple[bytes, int, int, str, bytes]:
-    """``(segment id, size, creator pid, kind, release address)`` of a segment's wire bytes."""
-    seg_id, size, creator_pid, kind = _WIRE.unpack_from(wire)
-    return seg_id, size, creator_pid, _KIND_NAMES[kind], bytes(wire[WIRE_SIZE:])
+def unpack_wire(wire: bytes) -> tuple[bytes, int, int, str, int, bytes]:
+    """``(segment id, size, creator pid, kind, strategy code, release address)`` of a segment's
+    wire bytes."""
+    seg_id, size, creator_pid, kind, code = _WIRE.unpack_from(wire)
+    return seg_id, size, creator_pid, _KIND_NAMES[kind], code, bytes(wire[WIRE_SIZE:])
 
 
 def _map(fd: int, size: int) -> int:
@@ -72,7 +84,7 @@ def _map(fd: int, size: int) -> int:
     if addr is None or addr == _MAP_FAILED:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
-    return addr
+    return int(addr)
 
 
 _POPULATE_SPLIT = 64 << 20  # segments at least this large are populated by several threads
@@ -110,17 +122,6 @@ def _populate(address: int, size: int) -> int:
     for t in pool:
         t.join()
     return next((e for e in errors if e), 0)
-
-
-class NamedFd(int):
-    """An fd of a named segment's file that remembers the name (see :meth:`Segment.attach`)."""
-
-    name: str
-
-    def __new__(cls, fd: int, name: str) -> NamedFd:
-        self = super().__new__(cls, fd)
-        self.name = name
-        return self
 
 
 def format_bytes(n: float) -> str:
@@ -192,7 +193,10 @@ class Segment:
 
     Attributes:
         id: 16 random bytes naming the segment in every process.
-        fd: the fd of the memfd in this process (sent along with handles).
+        fd: the fd of the file in this process (sent along with handles), or -1 when the
+            strategy keeps none (``file_system``: handles carry ``name``).
+        name: the file's name under a strategy that names segments, else ``""``.
+        strategy: the :class:`~tensormp.strategies.base.Strategy` that made it.
         size: length in bytes (a multiple of the page size).
         creator_pid: pid of the process that created it.
         address: where the segment is mapped in this process.
@@ -204,15 +208,23 @@ class Segment:
 
     __slots__ = (
         "id", "fd", "size", "creator_pid", "owner_addr", "address", "buffer", "kind", "roots",
-        "name", "view", "_wire", "__weakref__",
+        "name", "view", "strategy", "_wire", "__weakref__",
     )
 
     def __init__(
-        self, seg_id: bytes, fd: int, size: int, creator_pid: int, kind: str, name: str = ""
+        self, seg_id: bytes, fd: int, size: int, creator_pid: int, kind: str,
+        strategy: Strategy, name: str = "",
     ) -> None:
+        """Map ``fd`` (``size`` bytes), taking ownership of it: kept as ``self.fd`` when
+        ``strategy.keeps_fd``, closed at once otherwise (and on failure).
+
+        Raises:
+            SharedMemoryError: the mapping failed (an ``OSError``).
+        """
         self.id = seg_id
         self.fd = fd
         self.name = name  # file name under the file_system strategy ("" for a memfd)
+        self.strategy = strategy
         self.size = size
         self.creator_pid = creator_pid
         self.kind = kind  # "arena" (many small blocks) or "large" (one block)
@@ -224,7 +236,7 @@ class Segment:
                 e.errno, f"cannot map a shared-memory segment of {format_bytes(size)}: {e.strerror}"
             ) from None
         finally:
-            if name or not hasattr(self, "address"):
+            if not strategy.keeps_fd or not hasattr(self, "address"):
                 # A named segment keeps no fd (the mapping is all it needs); a failed map
                 # gives its fd back.
                 os.close(fd)
@@ -236,7 +248,7 @@ class Segment:
         self.view: memoryview | None = memoryview(self.buffer).cast("B")
         self._wire: tuple[bytes, bytes] | None = None
         # block offset -> weakref of the live root array of that block in this process
-        self.roots: dict[int, object] = {}
+        self.roots: dict[int, RootRef] = {}
 
     def wire(self, owner_addr: bytes) -> bytes:
         """This segment as a handle carries it, with ``owner_addr`` as release address
@@ -244,102 +256,17 @@ class Segment:
         cached = self._wire
         if cached and cached[0] == owner_addr:
             return cached[1]
-        wire = _WIRE.pack(self.id, self.size, self.creator_pid, _KINDS[self.kind]) + owner_addr
+        wire = _WIRE.pack(
+            self.id, self.size, self.creator_pid, _KINDS[self.kind], self.strategy.code
+        ) + owner_addr
         self._wire = (owner_addr, wire)
         return wire
 
-    @classmethod
-    def create(cls, size: int, kind: str) -> Segment:
-        """Create and reserve a new memfd segment of ``size`` bytes (rounded up to pages).
+    def populate(self) -> int:
+        """Allocate and map every page now (``MADV_POPULATE_WRITE``); returns 0 or an errno."""
+        return _populate(self.address, self.size)
 
-        Raises:
-            SharedMemoryError: (an ``OSError``) with ``errno`` ``ENOSPC`` or ``ENOMEM`` when the
-                bytes cannot be reserved; the message gives requested and available bytes.
-        """
-        size = max(PAGE_SIZE, -(-size // PAGE_SIZE) * PAGE_SIZE)
-        from .. import strategies
-
-        if strategies.get_sharing_strategy() == "file_system":
-            return cls._create_named(size, kind)
-        avail = available_memory()
-        if avail is not None and size > avail:
-            # Checked first: reserving a memfd past the available memory does not fail
-            # cleanly, it wakes the OOM killer.
-            raise SharedMemoryError(
-                errno.ENOMEM,
-                f"cannot reserve {format_bytes(size)} of shared memory (memfd): only "
-                f"{format_bytes(avail)} of memory is available to this process. Free memory, "
-                "raise the container's memory limit, or send smaller arrays.",
-            )
-        seg_id = os.urandom(16)
-        try:
-            fd = os.memfd_create(f"tensormp-{os.getpid()}-{seg_id.hex()}", os.MFD_CLOEXEC)
-        except OSError as e:
-            if e.errno in (errno.EMFILE, errno.ENFILE):
-                from ..errors import FdLimitError
-
-                raise FdLimitError(
-                    e.errno,
-                    f"cannot create a shared-memory segment: this process is out of file "
-                    f"descriptors ({e.strerror}). Each segment alive here (a large array, or an "
-                    "arena of small ones, including ones still in flight to a consumer) holds "
-                    "one fd: raise the limit (ulimit -n) or keep fewer large arrays alive.",
-                ) from None
-            raise SharedMemoryError(
-                e.errno,
-                f"memfd_create failed ({e.strerror}); tensormp needs Linux >= 3.17 with memfd "
-                "support",
-            ) from None
-        try:
-            os.ftruncate(fd, size)
-        except OSError as e:
-            os.close(fd)
-            raise SharedMemoryError(e.errno, f"cannot size a memfd segment: {e.strerror}") from None
-        seg = cls(seg_id, fd, size, os.getpid(), kind)  # maps it (closes fd on failure)
-        try:
-            seg._reserve()
-        except OSError as e:
-            seg.close()
-            avail = available_memory()
-            avail_s = "unknown" if avail is None else format_bytes(avail)
-            raise SharedMemoryError(
-                e.errno,
-                f"cannot reserve {format_bytes(size)} of shared memory (memfd) for an array: "
-                f"{e.strerror}; {avail_s} of memory is available to this process. Free memory, "
-                "raise the container's memory limit, or send smaller arrays.",
-            ) from None
-        return seg
-
-    @classmethod
-    def _create_named(cls, size: int, kind: str) -> Segment:
-        from ..strategies import _client
-        from ..strategies import file_system as fs
-
-        directory = fs.shm_dir()
-        if not os.path.isdir(directory):
-            raise SharedMemoryError(
-                errno.ENOENT,
-                f"the shm directory {directory} (TENSORMP_SHM_DIR) does not exist or is not a "
-                "directory: create it (on a tmpfs), unset TENSORMP_SHM_DIR to use /dev/shm, or "
-                "use the file_descriptor strategy",
-            )
-        avail = available_memory()
-        if avail is not None and size > avail:  # a tmpfs larger than memory would OOM
-            raise SharedMemoryError(
-                errno.ENOMEM,
-                f"cannot reserve {format_bytes(size)} of shared memory in {fs.shm_dir()}: only "
-                f"{format_bytes(avail)} of memory is available to this process. Free memory, "
-                "raise the container's memory limit, or send smaller arrays.",
-            )
-        name = fs.new_name()
-        _client.created(name)  # before the file exists: the daemon then knows its history
-        fd = fs.create(name, size)  # reserved with posix_fallocate; ENOSPC raises here
-        seg = cls(bytes.fromhex(name[-32:]), fd, size, os.getpid(), kind, name)
-        # The pages are reserved; map them now too, so the first copy runs at memory speed.
-        _populate(seg.address, seg.size)
-        return seg
-
-    def _reserve(self) -> None:
+    def reserve(self) -> None:
         """Allocate every page now, so no later access can fail with SIGBUS.
 
         ``MADV_POPULATE_WRITE`` (Linux >= 5.14) allocates the pages and maps them in this
@@ -356,12 +283,6 @@ class Segment:
             raise OSError(err, os.strerror(err))
         os.posix_fallocate(self.fd, 0, self.size)
 
-    @classmethod
-    def attach(cls, seg_id: bytes, fd: int, size: int, creator_pid: int, kind: str) -> Segment:
-        """Map a segment received from another process; takes ownership of ``fd`` (closed at
-        once when it is a :class:`NamedFd`, which carries the segment's name)."""
-        return cls(seg_id, fd, size, creator_pid, kind, getattr(fd, "name", ""))
-
     def close(self) -> None:
         """Unmap and close the fd in this process.
 
@@ -372,10 +293,8 @@ class Segment:
             self.buffer = None
             self.view = None
             _libc.munmap(self.address, self.size)
-            if self.name and self.creator_pid == os.getpid():
-                from ..strategies import file_system as fs
-
-                fs.unlink(self.name)  # the creator lets it go: no handle to it is out
+            if self.creator_pid == os.getpid():
+                self.strategy.remove(self)  # the creator lets it go: no handle to it is out
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

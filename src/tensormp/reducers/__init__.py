@@ -21,9 +21,16 @@ Numpy arrays put on a plain ``multiprocessing.Queue`` keep being pickled by valu
 own queues, pipes, pools and processes always use tensormp's reducers, whether torch (which
 does patch the global pickler) was imported before or after tensormp. The only global
 registration is for tensormp's own ``Connection`` type, which the stdlib could not pickle.
-Reducers for torch tensors and storages (``reducers/torch.py``) are registered the first time
-tensormp pickles something while ``torch`` is in ``sys.modules``, or when a process receives a
-tensor: a process that never touches torch never imports it.
+
+The array libraries (:data:`LIBRARIES`, the one table of them): each maps to a reducer module
+(``reducers/numpy.py``, ``reducers/torch.py``) that registers its reduce functions here
+(:func:`register`) and its rebuild functions' extension codes, and to a helpers module with
+``handles``/``share``/``is_shared`` for the public ``tensormp.share`` and ``is_shared``
+(``arrays.py`` dispatches through :func:`helpers_for`). A library's modules are loaded the
+first time tensormp pickles something while the library is in ``sys.modules``, or when a
+process receives one of its arrays: tensormp never imports an array library itself, and a
+process that never touches torch never imports it. A new array library (CuPy, JAX...) is one
+reducer module plus one line in the table.
 """
 
 from __future__ import annotations
@@ -36,13 +43,19 @@ import pickle
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from ..errors import HandleError
+from ..memory import release
+
+if TYPE_CHECKING:
+    from ..strategies.base import Strategy
 
 __all__ = [
-    "Message", "dumps", "loads", "register", "current_message", "take_fd", "note_named",
+    "Message", "dumps", "loads", "register", "current_message", "take_fd", "note_counted",
+    "ArrayLibrary", "LIBRARIES", "helpers_for",
     "flush_release_records",
     "process_args_parent", "current_process_args_parent",
 ]
@@ -56,8 +69,45 @@ _PROTOCOL = pickle.HIGHEST_PROTOCOL
 # receiver must have imported the function's module first: loads() does when the message holds
 # the code. The codes are far from the ranges PEP 307 assigns; a clash raises at import.
 NDARRAY_EXT = 0x746D7001
-_EXT_MODULES = {NDARRAY_EXT: "tensormp.reducers.numpy"}
-_EXT_MARKERS = [(b"\x84" + code.to_bytes(4, "little"), module) for code, module in _EXT_MODULES.items()]
+
+
+class ArrayHelpers(Protocol):
+    """What a library's helpers module offers ``tensormp.share``/``is_shared``."""
+
+    def handles(self, obj: object) -> bool: ...
+
+    def share(self, obj: Any) -> Any: ...
+
+    def is_shared(self, obj: Any) -> bool: ...
+
+
+@dataclass(frozen=True)
+class ArrayLibrary:
+    """One array library whose arrays tensormp moves through shared memory.
+
+    Attributes:
+        module: the library's top-level module (``"numpy"``).
+        reducers: tensormp's module that registers the library's reduce functions
+            (:func:`register`) and rebuild extension codes, and calls :func:`mark_loaded` last.
+        helpers: the module with ``handles``, ``share`` and ``is_shared`` (:class:`ArrayHelpers`).
+        extensions: the extension codes of its rebuild functions (see above).
+    """
+
+    module: str
+    reducers: str
+    helpers: str
+    extensions: tuple[int, ...] = ()
+
+
+# The table, in dispatch order.
+LIBRARIES: tuple[ArrayLibrary, ...] = (
+    ArrayLibrary("numpy", "tensormp.reducers.numpy", "tensormp.reducers.numpy", (NDARRAY_EXT,)),
+    ArrayLibrary("torch", "tensormp.reducers.torch", "tensormp.torch_utils"),
+)
+_EXT_MARKERS = [
+    (b"\x84" + code.to_bytes(4, "little"), lib.reducers)
+    for lib in LIBRARIES for code in lib.extensions
+]
 
 
 def register_extension(fn: Callable[..., Any], code: int) -> None:
@@ -92,21 +142,47 @@ def mark_loaded(module: str) -> None:
     _loaded.add(module)
 
 
-def _register_torch() -> None:
-    if "torch" in sys.modules and "tensormp.reducers.torch" not in _loaded:
-        # Likewise torch, whichever of torch and tensormp was imported first; tensormp never
-        # imports torch itself. Its tensor reducers win over torch's (see reducers/torch.py).
-        import tensormp.reducers.torch  # noqa: F401
+# (library module, reducer module) of the libraries whose reducers are not loaded yet: checked
+# on every dumps() and after every loads(), so that a library's reducers are registered once the
+# program has imported it, whichever of it and tensormp was imported first.
+_waiting: tuple[tuple[str, str], ...] = tuple((lib.module, lib.reducers) for lib in LIBRARIES)
+
+
+def _load_libraries() -> None:
+    global _waiting
+    modules = sys.modules
+    for module, reducer in _waiting:
+        if module in modules:
+            importlib.import_module(reducer)  # waits for another thread importing it
+            _waiting = tuple(w for w in _waiting if w[1] not in _loaded)
+
+
+_helpers: dict[str, ArrayHelpers] = {}
+
+
+def helpers_for(obj: object) -> ArrayHelpers | None:
+    """The helpers module of the first library in :data:`LIBRARIES` (among those the program
+    has imported) whose ``handles(obj)`` is true, or None."""
+    modules = sys.modules
+    for lib in LIBRARIES:
+        if lib.module in modules:
+            helpers = _helpers.get(lib.helpers)
+            if helpers is None:
+                helpers = _helpers[lib.helpers] = cast(
+                    ArrayHelpers, importlib.import_module(lib.helpers)
+                )
+            if helpers.handles(obj):
+                return helpers
+    return None
 
 
 def _dispatch_table() -> dict[type, Any]:
     global _table_cache
     modules = sys.modules
-    if "numpy" in modules and "tensormp.reducers.numpy" not in _loaded:
-        # numpy is loaded only when the program uses it: register its reducers then.
-        importlib.import_module("tensormp.reducers.numpy")
-    if "torch" in modules:
-        _register_torch()
+    for module, _reducer in _waiting:  # as _load_libraries(), without a call per message
+        if module in modules:
+            _load_libraries()
+            break
     extra = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
     key = (len(copyreg.dispatch_table), len(extra), len(_reducers))
     cached = _table_cache
@@ -129,14 +205,16 @@ class Message:
             message alive until it is sent.
     """
 
-    __slots__ = ("data", "fds", "keepalive", "noted", "named", "_index", "_undo")
+    __slots__ = ("data", "fds", "keepalive", "noted", "counted", "_index", "_undo")
 
     def __init__(self) -> None:
         self.data = b""
         self.fds: list[int] = []
         self.keepalive: list[object] = []
         self.noted: list[object] = []  # this process's own blocks a handle was counted for
-        self.named: set[str] | None = None  # named segments (file_system strategy) it refers to
+        # Segment names it refers to, by strategy, for strategies that count handles (the
+        # file_system strategy's cleanup daemon): told when the message is sent.
+        self.counted: dict[Strategy, set[str]] | None = None
         self._index: dict[object, int] | None = None
         self._undo: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
 
@@ -161,18 +239,8 @@ class Message:
         if self._undo:
             self.abandon()
 
-    def add_fd(self, fd: int, key: object, owner: object) -> int | str:
-        """Attach ``fd`` (owned by ``owner``; deduplicated by ``key``); returns its index.
-
-        A named segment (``owner.name`` set: the ``file_system`` strategy) travels by name
-        instead: no fd is attached and the name is returned; :func:`take_fd` accepts either.
-        """
-        name = getattr(owner, "name", None)
-        if name and isinstance(name, str):
-            if self.named is None:
-                self.named = set()
-            self.named.add(name)
-            return name
+    def add_fd(self, fd: int, key: object, owner: object) -> int:
+        """Attach ``fd`` (owned by ``owner``; deduplicated by ``key``); returns its index."""
         if self._index is None:
             self._index = {}
         index = self._index.get(key)
@@ -181,6 +249,18 @@ class Message:
             self.fds.append(fd)
             self.keepalive.append(owner)
         return index
+
+    def add_counted(self, strategy: Strategy, name: str) -> str:
+        """A handle refers to segment ``name`` of ``strategy``, which counts the messages
+        carrying it (``Strategy.counts_handles``); returns ``name``."""
+        counted = self.counted
+        if counted is None:
+            counted = self.counted = {}
+        refs = counted.get(strategy)
+        if refs is None:
+            refs = counted[strategy] = set()
+        refs.add(name)
+        return name
 
     def __repr__(self) -> str:
         return f"<Message {len(self.data)} bytes, {len(self.fds)} fds>"
@@ -193,13 +273,10 @@ class _Pickler(pickle.Pickler):
     dispatch_table: dict[type, Any] = {}
 
 
-def flush_release_records() -> None:
-    """Send this process's queued hold/release records now (``memory/release.py``), if the
-    allocator is loaded, and fully: another thread may be importing it. Called before
-    sending a message, so creators learn who holds what before any reply can come back."""
-    allocator = sys.modules.get("tensormp.memory.allocator")
-    if allocator is not None and getattr(allocator, "_ready", False):
-        allocator.flush_records()
+# Send this process's queued hold/release records now (``memory/release.py``; nothing before
+# the allocator is loaded). Called before sending a message, so creators learn who holds what
+# before any reply can come back. The function itself, not a wrapper: it runs per message.
+flush_release_records = release.flush
 
 
 def current_message() -> Message | None:
@@ -233,13 +310,13 @@ def dumps(obj: object) -> Message:
         finally:
             pickler.clear_memo()  # the memo refers to what was pickled: keep nothing alive
         msg.data = buf.getvalue()
-        if msg.named:
-            # Tell the cleanup daemon before the message can leave (file_system strategy).
-            from ..strategies import _client
-
-            names = list(msg.named)
-            _client.sent(names)
-            msg.on_abandon(_client.received, names)
+        if msg.counted:
+            # Tell the strategy before the message can leave (the file_system strategy tells
+            # its cleanup daemon).
+            for strategy, refs in msg.counted.items():
+                names = list(refs)
+                strategy.sent(names)
+                msg.on_abandon(strategy.received, names)
     except BaseException:
         msg.abandon()
         raise
@@ -249,12 +326,12 @@ def dumps(obj: object) -> Message:
 
 
 class _Received:
-    __slots__ = ("fds", "taken", "named")
+    __slots__ = ("fds", "taken", "counted")
 
     def __init__(self, fds: list[int]) -> None:
         self.fds = fds
         self.taken = [False] * len(fds) if fds else []
-        self.named: set[str] = set()
+        self.counted: dict[Strategy, set[str]] | None = None
 
     def take(self, index: int) -> int:
         if not 0 <= index < len(self.fds) or self.taken[index]:
@@ -283,19 +360,19 @@ def current_process_args_parent() -> int:
     return getattr(_tls, "process_args_parent", 0)
 
 
-def note_named(ref: int | str) -> None:
-    """Inside a rebuild function: the handle refers to segment ``ref`` (an fd index, or a
-    named segment's name, whose receipt the cleanup daemon is told about after the rebuild)."""
-    if type(ref) is str:
-        stack = getattr(_tls, "loading", None)
-        if stack:
-            stack[-1].named.add(ref)
+def note_counted(strategy: Strategy, name: str) -> None:
+    """Inside a rebuild function: the handle refers to segment ``name`` of ``strategy``, which
+    counts handles (``Strategy.counts_handles``) and is told after the rebuild."""
+    stack = getattr(_tls, "loading", None)
+    if stack:
+        received = stack[-1]
+        if received.counted is None:
+            received.counted = {}
+        received.counted.setdefault(strategy, set()).add(name)
 
 
-def take_fd(index: int | str) -> int:
-    """Inside a rebuild function: take ownership of the message's fd number ``index``, or
-    open the named segment ``index`` (a ``str``: the ``file_system`` strategy; the fd returned
-    then carries the name, see ``memory.segment.NamedFd``).
+def take_fd(index: int) -> int:
+    """Inside a rebuild function: take ownership of the message's fd number ``index``.
 
     Raises:
         HandleError: called outside :func:`loads` (the pickle did not come through a tensormp
@@ -308,18 +385,12 @@ def take_fd(index: int | str) -> int:
             "file descriptors are missing; send it through a tensormp Queue, Pipe or Process "
             "argument, or call tensormp.reducers.loads(data, fds)"
         )
-    if type(index) is str:
-        from ..memory.segment import NamedFd
-        from ..strategies import file_system
-
-        stack[-1].named.add(index)
-        return NamedFd(file_system.open_named(index), index)
-    return stack[-1].take(index)  # type: ignore[arg-type]
+    received: _Received = stack[-1]
+    return received.take(index)
 
 
 def loads(data: bytes | bytearray | memoryview, fds: list[int]) -> Any:
     """Unpickle a message; owns ``fds`` (each is taken by a rebuild or closed here)."""
-    modules = sys.modules
     for marker, module in _EXT_MARKERS:
         if module not in _loaded and marker in data:
             importlib.import_module(module)
@@ -333,11 +404,13 @@ def loads(data: bytes | bytearray | memoryview, fds: list[int]) -> Any:
         if fds:
             received.close_untaken()
     # torch may have been imported by what we just loaded (a DataLoader worker's arguments):
-    # load tensormp's torch support now, before the worker makes its first batch.
-    if "torch" in modules:
-        _register_torch()
-    if received.named:  # the arrays are mapped now: the daemon may stop counting them in flight
-        from ..strategies import _client
-
-        _client.received(received.named)
+    # load tensormp's support for it now, before the worker makes its first batch.
+    modules = sys.modules
+    for module, _reducer in _waiting:  # as _load_libraries(), without a call per message
+        if module in modules:
+            _load_libraries()
+            break
+    if received.counted:  # the arrays are mapped now: the strategy may stop counting them
+        for strategy, refs in received.counted.items():
+            strategy.received(refs)
     return obj

@@ -35,19 +35,20 @@ from ..memory.allocator import (
     forget_received,
     note_handle,
 )
-from ..memory.segment import unpack_wire
+from ..memory.segment import STRATEGY_AT, unpack_wire
+from ..strategies import counting
 from . import (
     NDARRAY_EXT,
     current_message,
     current_process_args_parent,
     mark_loaded,
-    note_named,
+    note_counted,
     register,
     register_extension,
     take_fd,
 )
 
-__all__ = ["reduce_ndarray", "rebuild_ndarray", "copy_to_shared"]
+__all__ = ["reduce_ndarray", "rebuild_ndarray", "copy_to_shared", "handles", "share", "is_shared"]
 
 
 def _copy_to_view(a: np.ndarray, view: memoryview, start: int) -> tuple[int, ...] | None:
@@ -78,11 +79,11 @@ def _copy_to_view(a: np.ndarray, view: memoryview, start: int) -> tuple[int, ...
 def copy_to_shared(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """One copy of ``a`` in a fresh block: returns ``(copy, root)``; keeps C/F order."""
     root = memory.allocate(a.nbytes)
-    strides = _copy_to_view(a, memoryview(root), 0)
+    strides = _copy_to_view(a, root.data, 0)  # the root's bytes (1-D uint8: format B)
     return np.ndarray(a.shape, a.dtype, root, 0, strides), root
 
 
-def _dtype_token(dt: np.dtype) -> Any:
+def _dtype_token(dt: np.dtype) -> np.dtype | str:
     # A plain dtype travels as its short string ('<f4'): much cheaper to pickle than the object.
     return dt.str if dt.fields is None and dt.subdtype is None and dt.metadata is None else dt
 
@@ -92,7 +93,7 @@ def _dtype_token(dt: np.dtype) -> Any:
 _tokens: dict[int, tuple[np.dtype, str]] = {}
 
 
-def _token(dt: np.dtype) -> Any:
+def _token(dt: np.dtype) -> np.dtype | str:
     cached = _tokens.get(id(dt))
     if cached is not None:
         return cached[1]
@@ -102,7 +103,7 @@ def _token(dt: np.dtype) -> Any:
     return token
 
 
-def reduce_ndarray(a: np.ndarray) -> Any:
+def reduce_ndarray(a: np.ndarray) -> str | tuple[Any, ...]:
     msg = current_message()
     if msg is None or a.dtype.hasobject:
         return a.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
@@ -131,7 +132,9 @@ def reduce_ndarray(a: np.ndarray) -> Any:
         msg.keepalive.append(root)
     return rebuild_ndarray, (
         seg.wire(owner_addr),
-        msg.add_fd(seg.fd, seg.id, seg),
+        # A strategy that keeps the fd is referenced by the fd itself (Strategy.keeps_fd):
+        # attached here without a call to its reference() (the per-array hot path).
+        msg.add_fd(seg.fd, seg.id, seg) if seg.fd >= 0 else seg.strategy.reference(msg, seg),
         block.offset,
         block.capacity,
         offset,
@@ -149,14 +152,12 @@ def rebuild_ndarray(
     block_offset: int,
     capacity: int,
     offset: int,
-    dtype: Any,
+    dtype: np.dtype | str,
     shape: tuple[int, ...],
     strides: tuple[int, ...] | None,
     readonly: bool,
     token: int = 0,
 ) -> np.ndarray:
-    if type(fd_ref) is str:
-        note_named(fd_ref)
     # A Process argument from our parent's own memory: the parent registered us as holder.
     parent = current_process_args_parent()
     announce = token != 0 or not parent or unpack_wire(wire)[2] != parent
@@ -165,13 +166,48 @@ def rebuild_ndarray(
     except Exception:
         # This handle will never be held here: give the creator its count back, or the block
         # would stay pinned there until it exits.
-        seg_id, _size, creator_pid, _kind, owner_addr = unpack_wire(wire)
+        seg_id, _size, creator_pid, _kind, _code, owner_addr = unpack_wire(wire)
         forget_received(owner_addr, seg_id, block_offset, creator_pid)
         raise
-    a = np.ndarray(shape, dtype, root, offset, strides)
+    if counting:  # the segment's strategy (loaded: the segment is mapped) counts handles
+        strategy = counting.get(wire[STRATEGY_AT])
+        if strategy is not None:
+            note_counted(strategy, fd_ref)  # type: ignore[arg-type]
+    a: np.ndarray = np.ndarray(shape, dtype, root, offset, strides)
     if readonly:
         a.flags.writeable = False
     return a
+
+
+# -- helpers of tensormp.share / is_shared (the reducer table's ``helpers`` for numpy) ---------
+def handles(obj: object) -> bool:
+    """True for numpy arrays (subclasses included)."""
+    return isinstance(obj, np.ndarray)
+
+
+def is_shared(a: np.ndarray) -> bool:
+    """Whether ``a``'s memory is tensormp shared memory (see ``tensormp.is_shared``)."""
+    return find_block(a) is not None
+
+
+def share(a: np.ndarray) -> np.ndarray:
+    """``a`` itself if shared, else a shared copy (see ``tensormp.share``).
+
+    Raises:
+        TypeError: ``a``'s dtype holds Python objects.
+        SharedMemoryError: the memory could not be reserved (an ``OSError``).
+    """
+    if a.dtype.hasobject:
+        raise TypeError(
+            f"cannot share an array of dtype {a.dtype}: it holds Python object pointers, which "
+            "mean nothing in another process; it is pickled by value when sent instead"
+        )
+    if find_block(a) is not None:
+        return a
+    out, _root = copy_to_shared(a)
+    if not a.flags.writeable:
+        out.flags.writeable = False
+    return out
 
 
 register(np.ndarray, reduce_ndarray)

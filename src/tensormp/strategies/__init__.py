@@ -13,36 +13,31 @@
 The strategy decides how *new* segments are made; a receiver rebuilds arrays sent under either
 one. Unlike ``torch.multiprocessing``, the strategy set in a parent also applies in the
 children a tensormp context starts (spawn and forkserver included).
+
+Each strategy is an object (``base.py`` has the interface: create / reference / attach /
+remove): ``file_descriptor.py`` and ``file_system.py``, listed in :data:`_TABLE` with the byte
+that names them in handles. :func:`current` gives the one that makes this process's new
+segments; a segment records the strategy that made it, and a receiver finds it with
+:func:`by_code`. A third strategy is one module and one line in the table.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ..liveness import process_alive, process_start_time
+
+if TYPE_CHECKING:
+    from .base import Strategy
 
 __all__ = [
     "get_all_sharing_strategies", "get_sharing_strategy", "set_sharing_strategy",
+    "current", "by_code", "counting", "add_flusher", "flush_pending",
     "process_start_time", "process_alive", "program", "set_program",
 ]
-
-
-def process_start_time(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot, or None if it has exited (or is a
-    zombie, which holds no memory any more)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-    fields = raw[raw.rindex(b")") + 2 :].split()
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[19])  # field 22 of the whole line
-
-
-def process_alive(pid: int, start: int) -> bool:
-    """True while the process ``(pid, start)`` lives (a reused pid does not count)."""
-    return pid > 0 and process_start_time(pid) == start
 
 
 _program: tuple[int, int] | None = None
@@ -70,8 +65,85 @@ def set_program(value: tuple[int, int]) -> None:
 os.register_at_fork(before=program)
 
 
-_AVAILABLE = ("file_descriptor", "file_system")
+# The strategies: name -> (code in handles, module, class). A module is imported the first time
+# its strategy makes or maps a segment. A new strategy is one module and one line here.
+_TABLE: dict[str, tuple[int, str, str]] = {
+    "file_descriptor": (ord("f"), "tensormp.strategies.file_descriptor", "FileDescriptor"),
+    "file_system": (ord("n"), "tensormp.strategies.file_system", "FileSystem"),
+}
+_AVAILABLE = tuple(_TABLE)
 _strategy = "file_descriptor"
+_current: Strategy | None = None  # the instance of _strategy, once asked for
+# code -> instance, filled as strategies are loaded (a list: a handle's byte indexes it).
+_by_code: list[Strategy | None] = [None] * 256
+# code -> instance, of the loaded strategies that count handles (``Strategy.counts_handles``):
+# empty in a process that never met one, so a rebuild checks it for free.
+counting: dict[int, Strategy] = {}
+
+
+def _load(name: str) -> Strategy:
+    code, module, cls = _TABLE[name]
+    strategy = _by_code[code]
+    if strategy is None:
+        strategy = getattr(importlib.import_module(module), cls)()
+        if strategy.code != code or strategy.name != name:  # pragma: no cover - a table typo
+            raise ImportError(f"{module}.{cls} does not match its line in the strategy table")
+        _by_code[code] = strategy
+        if strategy.counts_handles:
+            counting[code] = strategy
+    return strategy
+
+
+def current() -> Strategy:
+    """The strategy that makes this process's new segments (see :func:`set_sharing_strategy`)."""
+    strategy = _current
+    if strategy is None:
+        strategy = _set_current(_load(_strategy))
+    return strategy
+
+
+def _set_current(strategy: Strategy) -> Strategy:
+    global _current
+    _current = strategy
+    return strategy
+
+
+def by_code(code: int) -> Strategy:
+    """The strategy a handle names with ``code`` (its segment wire's strategy byte).
+
+    Raises:
+        HandleError: no strategy has that code (a corrupt message, or another tensormp).
+    """
+    strategy = _by_code[code]
+    if strategy is not None:
+        return strategy
+    for name, row in _TABLE.items():
+        if row[0] == code:
+            return _load(name)
+    from ..errors import HandleError
+
+    raise HandleError(
+        f"a handle names sharing strategy code {code:#x}, which this tensormp does not know "
+        "(corrupt message, or a different tensormp version in the sender)"
+    )
+
+
+# Work a strategy queues for later (the file_system strategy's records to its daemon), done
+# before this process sends a message or waits for one, and at exit. Registered by the module
+# that queues the work, once it is fully imported.
+_flushers: list[Callable[[], None]] = []
+
+
+def add_flusher(flush: Callable[[], None]) -> None:
+    """Have ``flush()`` called at this process's flush points (before it sends a message or
+    waits for one, and at exit); ``flush`` returns quickly when it has nothing queued."""
+    _flushers.append(flush)
+
+
+def flush_pending() -> None:
+    """Run every registered flusher (see :func:`add_flusher`)."""
+    for flush in _flushers:
+        flush()
 
 
 def get_all_sharing_strategies() -> set[str]:
@@ -93,9 +165,10 @@ def set_sharing_strategy(new_strategy: str) -> None:
     Raises:
         ValueError: ``new_strategy`` is not one of :func:`get_all_sharing_strategies`.
     """
-    global _strategy
-    if new_strategy not in _AVAILABLE:
+    global _strategy, _current
+    if new_strategy not in _TABLE:
         raise ValueError(
             f"unknown sharing strategy {new_strategy!r}; choose one of {sorted(_AVAILABLE)}"
         )
     _strategy = new_strategy
+    _current = None

@@ -26,9 +26,10 @@ import sys
 import threading
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from ..errors import TensormpError
-from . import _daemon
+from . import _daemon, add_flusher
 from . import file_system as fs
 
 __all__ = [
@@ -251,7 +252,7 @@ def _flush_locked() -> None:
     _send_locked(packets, must=False)
 
 
-def request(what: str, shm: str | None = None, start: bool = False) -> dict | None:
+def request(what: str, shm: str | None = None, start: bool = False) -> dict[str, Any] | None:
     """Ask the daemon of ``shm`` for ``"STATE"`` or ``"GC"`` on a connection of its own;
     None when no daemon serves it (and ``start`` is False)."""
     import json
@@ -292,6 +293,12 @@ def _after_fork_in_child() -> None:
         _sock = None
 
 
+def _flush_if_pending() -> None:
+    if _pending:
+        flush()
+
+
 os.register_at_fork(after_in_child=_after_fork_in_child)
 atexit.register(flush)
-_ready = True  # fully imported (other modules look it up in sys.modules)
+# Last: a flusher registered once this module is complete (no other module probes for it).
+add_flusher(_flush_if_pending)

@@ -39,9 +39,17 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ..errors import HandleError, SharedMemoryError
+from ..errors import FdLimitError, HandleError, SharedMemoryError
+from ..liveness import process_alive, process_start_time
+from ..memory.segment import Segment, available_memory, format_bytes
+from .base import Strategy, TakeFd
+
+if TYPE_CHECKING:
+    from ..reducers import Message
 
 __all__ = [
     "PREFIX",
@@ -59,6 +67,7 @@ __all__ = [
     "is_orphan",
     "process_alive",
     "process_start_time",
+    "FileSystem",
 ]
 
 PREFIX = "tensormp-"
@@ -70,10 +79,9 @@ def shm_dir() -> str:
     return os.environ.get("TENSORMP_SHM_DIR") or "/dev/shm"
 
 
-# The program id and process identity live in the package (strategies/__init__.py), so that
-# the fork hook that passes the program id on is registered whatever the strategy, and
-# without importing this module.
-from . import process_alive, process_start_time, program, set_program  # noqa: E402
+# The program id lives in the package (strategies/__init__.py), so that the fork hook that
+# passes it on is registered whatever the strategy, and without importing this module.
+from . import program, set_program  # noqa: E402
 
 _self: tuple[int, int] | None = None
 
@@ -138,12 +146,6 @@ def _free_bytes(directory: str) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def _fmt(n: float) -> str:
-    from ..memory.segment import format_bytes
-
-    return format_bytes(n)
-
-
 def create(name: str, size: int) -> int:
     """Create the file ``name`` of ``size`` bytes in the shm directory, every byte reserved;
     returns an open fd (the caller maps it and closes it).
@@ -158,8 +160,6 @@ def create(name: str, size: int) -> int:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     except OSError as e:
         if e.errno in (errno.EMFILE, errno.ENFILE):
-            from ..errors import FdLimitError
-
             raise FdLimitError(
                 e.errno,
                 f"cannot create a shared-memory segment: this process is out of file descriptors "
@@ -177,7 +177,7 @@ def create(name: str, size: int) -> int:
         os.close(fd)
         _unlink_quietly(path)
         free = _free_bytes(directory)
-        free_s = "unknown" if free is None else _fmt(free)
+        free_s = "unknown" if free is None else format_bytes(free)
         if e.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
             hint = (
                 " (the default size of /dev/shm in a Docker container: start it with a larger "
@@ -187,13 +187,13 @@ def create(name: str, size: int) -> int:
             )
             raise SharedMemoryError(
                 errno.ENOSPC,
-                f"cannot reserve {_fmt(size)} of shared memory in {directory} ({free_s} "
+                f"cannot reserve {format_bytes(size)} of shared memory in {directory} ({free_s} "
                 f"free){hint}; make {directory} larger, set TENSORMP_SHM_DIR to a larger tmpfs, "
                 "or use the file_descriptor strategy (tensormp.set_sharing_strategy("
                 "'file_descriptor')), whose memory does not count against it",
             ) from None
         raise SharedMemoryError(
-            e.errno, f"cannot reserve {_fmt(size)} in {path}: {e.strerror}"
+            e.errno, f"cannot reserve {format_bytes(size)} in {path}: {e.strerror}"
         ) from None
     return fd
 
@@ -313,3 +313,64 @@ def is_orphan(
     if in_flight is None or in_flight > 0:
         return not program_alive
     return True
+
+
+class FileSystem(Strategy):
+    """Named files in the shm directory; handles carry the name, and the cleanup daemon is
+    told of every segment created and of every message carrying one (``_client.py``)."""
+
+    name = "file_system"
+    code = ord("n")
+    keeps_fd = False
+    counts_handles = True
+
+    def create(self, size: int, kind: str) -> Segment:
+        from . import _client
+
+        directory = shm_dir()
+        if not os.path.isdir(directory):
+            raise SharedMemoryError(
+                errno.ENOENT,
+                f"the shm directory {directory} (TENSORMP_SHM_DIR) does not exist or is not a "
+                "directory: create it (on a tmpfs), unset TENSORMP_SHM_DIR to use /dev/shm, or "
+                "use the file_descriptor strategy",
+            )
+        avail = available_memory()
+        if avail is not None and size > avail:  # a tmpfs larger than memory would OOM
+            raise SharedMemoryError(
+                errno.ENOMEM,
+                f"cannot reserve {format_bytes(size)} of shared memory in {shm_dir()}: only "
+                f"{format_bytes(avail)} of memory is available to this process. Free memory, "
+                "raise the container's memory limit, or send smaller arrays.",
+            )
+        name = new_name()
+        _client.created(name)  # before the file exists: the daemon then knows its history
+        fd = create(name, size)  # reserved with posix_fallocate; ENOSPC raises here
+        seg = Segment(bytes.fromhex(name[-32:]), fd, size, os.getpid(), kind, self, name)
+        # The pages are reserved; map them now too, so the first copy runs at memory speed.
+        seg.populate()
+        return seg
+
+    def reference(self, msg: Message, seg: Segment) -> int | str:
+        return msg.add_counted(self, seg.name)
+
+    def attach(
+        self, seg_id: bytes, ref: int | str, size: int, creator_pid: int, kind: str,
+        take_fd: TakeFd,
+    ) -> Segment:
+        if type(ref) is not str:
+            raise HandleError(f"a file_system handle carries a file name, not {ref!r} (corrupt message)")
+        return Segment(seg_id, open_named(ref), size, creator_pid, kind, self, ref)
+
+    def remove(self, seg: Segment) -> None:
+        unlink(seg.name)
+
+    def sent(self, refs: Iterable[str]) -> None:
+        from . import _client
+
+        _client.sent(refs)
+
+    def received(self, refs: Iterable[str]) -> None:
+        from . import _client
+
+        _client.received(refs)
