@@ -60,7 +60,7 @@ import threading
 from collections.abc import Sequence
 from multiprocessing import connection as _mpc
 from multiprocessing import reduction as _mpr
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 from . import _fdpass, _testhooks, reducers
 from .errors import FdLimitError
@@ -214,6 +214,13 @@ class Connection(_mpc.Connection):
     needed between processes that share an end, and a process killed at any point never
     leaves a torn message for the others.
     """
+
+    if TYPE_CHECKING:  # private attributes of the stdlib's _ConnectionBase (not in typeshed)
+        _handle: int
+
+        def _check_closed(self) -> None: ...
+        def _check_readable(self) -> None: ...
+        def _check_writable(self) -> None: ...
 
     def __init__(self, handle: int, readable: bool = True, writable: bool = True) -> None:
         super().__init__(handle, readable, writable)

@@ -88,7 +88,7 @@ from .spawn import (
 )
 
 if TYPE_CHECKING:
-    from torch.distributed import Store  # type: ignore[attr-defined]
+    from torch.distributed import Store
 
 __all__ = ["under_torchrun", "spawn", "spawn_under_torchrun", "launch"]
 
@@ -130,7 +130,7 @@ def _import_torch_distributed(what: str) -> None:
 
 
 def _store_client(host: str, port: int, timeout: float) -> Store:
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+    from torch.distributed import TCPStore
 
     return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
 
@@ -149,7 +149,7 @@ class _Exchange:
         self.store = self.connect()
 
     def connect(self) -> Store:
-        from torch.distributed import PrefixStore  # type: ignore[attr-defined]
+        from torch.distributed import PrefixStore
 
         return PrefixStore(self.prefix, _store_client(self.host, self.port, _STORE_TIMEOUT))
 
@@ -519,7 +519,7 @@ def _parse_endpoint(endpoint: Any) -> tuple[str, int]:
 def _host_or_join(host: str, port: int, timeout: float) -> tuple[Store, bool]:
     """The rendezvous store: hosted here when ``host`` is this machine and the port is free
     (as torch's c10d backend decides), else a client of it."""
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+    from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
     if _matches_machine_hostname(host):
@@ -662,7 +662,7 @@ def _no_torch_tracebacks_in_logs() -> Iterator[None]:
 
 
 def _prefixed(store: Store, run_id: str) -> Store:
-    from torch.distributed import PrefixStore  # type: ignore[attr-defined]
+    from torch.distributed import PrefixStore
 
     return PrefixStore(f"{_KEY_PREFIX}/{run_id}/", store)
 

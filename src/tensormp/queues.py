@@ -143,6 +143,7 @@ class Queue:
     """
 
     _joinable = False
+    _notempty: threading.Condition
 
     def __init__(self, maxsize: int = 0, *, ctx: Any) -> None:
         if maxsize <= 0 or maxsize >= _SEM_VALUE_MAX:
@@ -446,7 +447,7 @@ class Queue:
         state = "closed" if self._closed else f"buffered={len(self._buffer)}"
         return f"<tensormp.Queue {state} at {id(self):#x}>"
 
-    __class_getitem__ = classmethod(types.GenericAlias)
+    __class_getitem__: classmethod[Any, [Any], types.GenericAlias] = classmethod(types.GenericAlias)
 
 
 class JoinableQueue(Queue):
@@ -532,4 +533,4 @@ class SimpleQueue:
     def __repr__(self) -> str:
         return f"<tensormp.SimpleQueue at {id(self):#x}>"
 
-    __class_getitem__ = classmethod(types.GenericAlias)
+    __class_getitem__: classmethod[Any, [Any], types.GenericAlias] = classmethod(types.GenericAlias)

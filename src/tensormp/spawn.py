@@ -59,7 +59,7 @@ import warnings
 from collections.abc import Sequence
 from contextlib import contextmanager
 from multiprocessing import process as _mpprocess
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, overload
 
 from . import _spawn_report
 from ._by_value import FnByValue
@@ -758,6 +758,50 @@ def _distributed_env(nprocs: int) -> dict[str, str]:
     return env
 
 
+@overload
+def start_processes(
+    fn: Any,
+    args: tuple[Any, ...] = ...,
+    nprocs: int = ...,
+    *,
+    join: Literal[False],
+    daemon: bool = ...,
+    start_method: str = ...,
+    timeout: float | None = ...,
+    grace_period: float | None = ...,
+    return_values: bool = ...,
+    distributed: bool = ...,
+) -> ProcessContext: ...
+@overload
+def start_processes(
+    fn: Any,
+    args: tuple[Any, ...],
+    nprocs: int,
+    join: Literal[False],
+    daemon: bool = ...,
+    start_method: str = ...,
+    *,
+    timeout: float | None = ...,
+    grace_period: float | None = ...,
+    return_values: bool = ...,
+    distributed: bool = ...,
+) -> ProcessContext: ...
+@overload
+def start_processes(
+    fn: Any,
+    args: tuple[Any, ...] = ...,
+    nprocs: int = ...,
+    join: bool = ...,
+    daemon: bool = ...,
+    start_method: str = ...,
+    *,
+    timeout: float | None = ...,
+    grace_period: float | None = ...,
+    return_values: bool = ...,
+    distributed: bool = ...,
+) -> ProcessContext | list[Any] | None: ...
+
+
 def start_processes(
     fn: Any,
     args: tuple[Any, ...] = (),
@@ -898,6 +942,39 @@ def start_processes(
     except KeyboardInterrupt as e:
         raise context._interrupted(grace_period, e) from None
     return context.return_values if return_values else None
+
+
+@overload
+def spawn(
+    fn: Any,
+    args: tuple[Any, ...] = ...,
+    nprocs: int = ...,
+    *,
+    join: Literal[False],
+    daemon: bool = ...,
+    start_method: str = ...,
+    **kwargs: Any,
+) -> ProcessContext: ...
+@overload
+def spawn(
+    fn: Any,
+    args: tuple[Any, ...],
+    nprocs: int,
+    join: Literal[False],
+    daemon: bool = ...,
+    start_method: str = ...,
+    **kwargs: Any,
+) -> ProcessContext: ...
+@overload
+def spawn(
+    fn: Any,
+    args: tuple[Any, ...] = ...,
+    nprocs: int = ...,
+    join: bool = ...,
+    daemon: bool = ...,
+    start_method: str = ...,
+    **kwargs: Any,
+) -> ProcessContext | list[Any] | None: ...
 
 
 def spawn(

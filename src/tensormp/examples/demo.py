@@ -129,13 +129,13 @@ def run_demo(opts: argparse.Namespace) -> dict[str, Any]:
     )
     pipes = []
     for mode in pipeline.MODES:
-        r = pipeline.run(
+        p = pipeline.run(
             mode, loaders=opts.loaders, batches=opts.batches,
             batch_size=opts.batch_size_pipeline, size=opts.size, slots=opts.slots,
             seed=opts.seed, data=images,
         )
-        pipes.append(r)
-        _print("      " + pipeline.describe(r))
+        pipes.append(p)
+        _print("      " + pipeline.describe(p))
     return {"hogwild": runs, "pipeline": pipes, "busy_cores": meter.others}
 
 

@@ -82,15 +82,19 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 import tensormp
 
 from . import check_processes, interrupted, stop_processes
+
+if TYPE_CHECKING:
+    from tensormp.connection import Connection
 
 __all__ = [
     "Dataset",
@@ -526,7 +530,8 @@ def one_blas_thread() -> contextlib.AbstractContextManager[Any]:
         from threadpoolctl import threadpool_limits
     except ImportError:  # pragma: no cover - depends on the environment
         return contextlib.nullcontext()
-    return threadpool_limits(limits=1)
+    limits: contextlib.AbstractContextManager[Any] = threadpool_limits(limits=1)
+    return limits
 
 
 def _worker_gone(procs: Any, rank: int, when: str) -> None:
@@ -565,7 +570,7 @@ def _gather(conns: list[Any], procs: Any, expect: str) -> list[tuple[Any, ...]]:
     pending = {conn: rank for rank, conn in enumerate(conns)}
     deadline = time.monotonic() + _STEP_TIMEOUT_S
     while pending:
-        ready = wait(list(pending), timeout=_POLL_S)
+        ready = cast("list[Connection]", wait(list(pending), timeout=_POLL_S))
         for conn in ready:
             rank = pending.pop(conn)
             try:
@@ -646,6 +651,8 @@ def train(
     y = tensormp.share(np.ascontiguousarray(data.y_train, np.int64))
     n_out = int(data.y_train.max()) + 1
     result = HogwildResult(workers, framework=framework)
+    entry: Callable[..., None]
+    shared: tuple[Any, ...]
     if framework == "torch":
         model = init_torch_model(x.shape[1], hidden, n_out, seed)
         opt = None

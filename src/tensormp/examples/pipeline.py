@@ -183,6 +183,8 @@ def fill_batch(
         out_labels: ``(batch,)`` int64, written in place.
         out_ids: ``(batch,)`` int64: the indices of the samples in the data set.
     """
+    batch: int
+    size: int
     batch, size = out_images.shape[0], out_images.shape[1]
     span = images.shape[1] - size
     rng = np.random.default_rng((seed, batch_id))
@@ -199,9 +201,9 @@ def fill_batch(
 
 def batch_crc(images: np.ndarray, labels: np.ndarray, ids: np.ndarray) -> int:
     """CRC-32 of a batch's bytes (images, labels, ids; each C-contiguous)."""
-    crc = zlib.crc32(memoryview(images).cast("B"))
-    crc = zlib.crc32(memoryview(labels).cast("B"), crc)
-    return zlib.crc32(memoryview(ids).cast("B"), crc)
+    crc = zlib.crc32(images.data.cast("B"))
+    crc = zlib.crc32(labels.data.cast("B"), crc)
+    return zlib.crc32(ids.data.cast("B"), crc)
 
 
 def _consume(images: np.ndarray, labels: np.ndarray, hist: np.ndarray) -> float:
@@ -475,9 +477,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{opts.batches} batches of {opts.batch_size} digits upscaled to "
               f"{opts.size}x{opts.size} ({_fmt_bytes(opts.batch_size * opts.size**2 * 4)} of "
               f"images each), {opts.loaders} loader process(es)")
-        shared = run("shared", data=data, **kw)  # type: ignore[arg-type]
+        shared = run("shared", data=data, **kw)
         print(describe(shared))
-        stdlib = run("stdlib", data=data, **kw)  # type: ignore[arg-type]
+        stdlib = run("stdlib", data=data, **kw)
         print(describe(stdlib))
     except (KeyboardInterrupt, tensormp.ProcessExitedException) as e:
         if not interrupted(e):

@@ -74,7 +74,7 @@ class _Repr:
 
 
 def _wrap(exc: BaseException) -> Any:
-    from multiprocessing.pool import ExceptionWithTraceback
+    from multiprocessing.pool import ExceptionWithTraceback  # type: ignore[attr-defined]  # no stub
 
     return ExceptionWithTraceback(exc, exc.__traceback__)
 
@@ -200,7 +200,9 @@ def _worker_main(
         except (BrokenPipeError, ConnectionError, EOFError):
             return
         except Exception as e:  # the result cannot be pickled: say why (as the stdlib)
-            from multiprocessing.pool import MaybeEncodingError
+            from multiprocessing.pool import (  # type: ignore[attr-defined]  # no stub
+                MaybeEncodingError,
+            )
 
             short = _Repr(reprlib.repr(reply[3]))
             conn.send((_RESULT, reply[1], False, _wrap(MaybeEncodingError(e, short)), reply[4]))

@@ -51,6 +51,7 @@ from ..errors import HandleError
 from ..memory import release
 
 if TYPE_CHECKING:
+    from ..memory.blocks import Block
     from ..strategies.base import Strategy
 
 __all__ = [
@@ -211,7 +212,7 @@ class Message:
         self.data = b""
         self.fds: list[int] = []
         self.keepalive: list[object] = []
-        self.noted: list[object] = []  # this process's own blocks a handle was counted for
+        self.noted: list[Block] = []  # this process's own blocks a handle was counted for
         # Segment names it refers to, by strategy, for strategies that count handles (the
         # file_system strategy's cleanup daemon): told when the message is sent.
         self.counted: dict[Strategy, set[str]] | None = None

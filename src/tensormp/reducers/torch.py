@@ -101,7 +101,7 @@ import os
 import pickle
 import threading
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -134,7 +134,7 @@ class _Entry:
 
     __slots__ = ("ref", "exported")
 
-    def __init__(self, ref: weakref.ref, exported: bool) -> None:
+    def __init__(self, ref: weakref.ref[np.ndarray], exported: bool) -> None:
         self.ref = ref  # the uint8 view the storage's deleter holds
         self.exported = exported  # another process may hold this memory
 
@@ -142,7 +142,7 @@ class _Entry:
 _owned: dict[int, _Entry] = {}  # storage data pointer -> entry
 
 
-def _forget(ptr: int, ref: weakref.ref) -> None:
+def _forget(ptr: int, ref: weakref.ref[np.ndarray]) -> None:
     # Weakref callback (may run inside garbage collection while _lock is held): no locking;
     # the callback runs when the view dies, before its block can be reused.
     entry = _owned.get(ptr)
@@ -158,7 +158,7 @@ def _wrap(view: np.ndarray, exported: bool) -> torch.UntypedStorage:
     """A storage over ``view`` (a writable 1-D uint8 view of a block), registered."""
     storage = torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
     ptr = storage.data_ptr()
-    _owned[ptr] = _Entry(weakref.ref(view, lambda r, ptr=ptr: _forget(ptr, r)), exported)
+    _owned[ptr] = _Entry(weakref.ref(view, lambda r: _forget(ptr, r)), exported)
     return storage
 
 
@@ -284,10 +284,11 @@ def reduce_storage(storage: Any) -> Any:
             _move(storage)
             entry = _entry(storage)
             assert entry is not None
-        view = entry.ref()
-        if not entry.exported:
+        view = entry.ref()  # alive: the storage's deleter holds it
+        if not entry.exported:  # once per storage (the cast stays off the repeat sends)
             entry.exported = True
-            _cache_put(_view_key(view), storage)  # it may come back: as the same storage
+            # It may come back: as the same storage.
+            _cache_put(_view_key(cast(np.ndarray, view)), storage)
     return _rebuild_storage, (view,)
 
 
@@ -487,7 +488,7 @@ if not getattr(_US, "_tensormp_wrapped", False):
     _orig_share_memory = _US.share_memory_
     _orig_share_fd = _US._share_fd_cpu_
     _orig_share_filename = _US._share_filename_cpu_
-    _orig_new_shared = _US._new_shared.__func__  # type: ignore[attr-defined]
+    _orig_new_shared = _US._new_shared.__func__
 else:  # pragma: no cover - the module was re-imported (importlib.reload)
     _orig_is_shared = _US._tensormp_originals["is_shared"]
     _orig_share_memory = _US._tensormp_originals["share_memory_"]
@@ -550,7 +551,7 @@ def _new_shared(cls: Any, size: int, *, device: Any = "cpu") -> Any:
 
 
 if not getattr(_US, "_tensormp_wrapped", False):
-    _US._tensormp_originals = {  # type: ignore[attr-defined]
+    _US._tensormp_originals = {
         "is_shared": _orig_is_shared,
         "share_memory_": _orig_share_memory,
         "_share_fd_cpu_": _orig_share_fd,
@@ -567,8 +568,8 @@ if not getattr(_US, "_tensormp_wrapped", False):
             "\n\n(Wrapped by tensormp: see tensormp.reducers.torch.)"
         )
         setattr(_US, _name, _fn)
-    _US._new_shared = classmethod(_new_shared)  # type: ignore[assignment]
-    _US._tensormp_wrapped = True  # type: ignore[attr-defined]
+    _US._new_shared = classmethod(_new_shared)
+    _US._tensormp_wrapped = True
 
 
 # -- fork ---------------------------------------------------------------------------------------
