@@ -44,7 +44,6 @@ import itertools
 import os
 import select
 import signal
-import sys
 import threading
 import time
 from typing import Any
@@ -56,6 +55,7 @@ from ..errors import BrokenPoolError, WorkerLostError, _signal_name
 from ..tasks import _describe, _pickles, _Task
 from ..worker import _DYING, _INIT_ERROR, _READY, _RESULT, _RawFd, _worker_main
 from . import EngineConfig
+from .base import QueueEngine
 
 OPTIONS: tuple[str, ...] = ()  # engine-specific keywords (none)
 _RUN, _CLOSE, _TERMINATE = "RUN", "CLOSE", "TERMINATE"  # the engine's states (Pool.join reads them)
@@ -108,8 +108,10 @@ class _Worker:
         )
 
 
-class _Engine:
-    """Workers, the manager thread, and the task deque: shared by Pool and the executor."""
+class _Engine(QueueEngine):
+    """Workers, the manager thread, and the task deque (the state, close/terminate/join, broken
+    pools and the sinks' delivery are ``base.QueueEngine``'s; the deque, submit and the
+    feeders' room are this engine's own: see "Direct send" and "Prefetch")."""
 
     def __init__(
         self,
@@ -168,24 +170,6 @@ class _Engine:
         self._thread.start()
 
     # -- called from any thread -------------------------------------------------------------
-    def broken(self) -> BrokenPoolError:
-        error = self._broken_error(self._broken_msg or f"{self.owner} is broken")
-        error.__cause__ = self._broken_cause
-        return error
-
-    def check_running(self) -> None:
-        """Raises: BrokenPoolError (broken), ValueError (closed or terminated, as the stdlib)."""
-        if self._broken_msg is not None:
-            raise self.broken()
-        if self._state != _RUN:
-            raise ValueError(
-                f"Pool not running: this {self.owner} was closed or terminated; create a new one"
-            )
-
-    @property
-    def state(self) -> str:
-        return self._state
-
     def submit(self, tasks: list[_Task], *, feeder: bool = False) -> None:
         if len(tasks) == 1 and self._direct and not self._pending and self._send_direct(
             tasks[0], feeder
@@ -269,24 +253,6 @@ class _Engine:
             return None
         return best
 
-    def feeder_started(self) -> None:
-        """Raises: as :meth:`check_running` (checked under the lock, so the manager cannot
-        finish a close() between the check and the feeder's first task)."""
-        with self._lock:
-            if self._broken_msg is not None:
-                raise self.broken()
-            if self._state != _RUN:
-                raise ValueError(
-                    f"Pool not running: this {self.owner} was closed or terminated; "
-                    "create a new one"
-                )
-            self._feeders += 1
-
-    def feeder_done(self) -> None:
-        with self._lock:
-            self._feeders -= 1
-            self._wake_locked()
-
     def wait_room(self) -> int:
         """A feeder waits until few tasks are queued: how many more it may queue now (at least
         1), or 0 when the pool was terminated."""
@@ -304,41 +270,6 @@ class _Engine:
             if self._state == _TERMINATE:
                 return 0
             return max(1, self._room_limit - len(self._pending))
-
-    def take_pending(self) -> list[_Task]:
-        """Remove and return every task not sent yet (``shutdown(cancel_futures=True)``)."""
-        with self._lock:
-            tasks = self._pop_pending_locked()
-        for task in tasks:
-            _abandon(task)
-        return tasks
-
-    def _pop_pending_locked(self) -> list[_Task]:
-        tasks = list(self._pending)
-        self._pending.clear()
-        self._room.notify_all()
-        return tasks
-
-    def close(self) -> None:
-        with self._lock:
-            if self._state == _RUN:
-                self._state = _CLOSE
-                self._wake_locked()
-
-    def terminate(self) -> None:
-        """Stop the workers now; unfinished tasks fail. Waits for it unless called from the
-        manager thread itself (a callback)."""
-        with self._lock:
-            if self._state != _TERMINATE:
-                self._state = _TERMINATE
-                self._wake_locked()
-                self._room.notify_all()
-        if threading.current_thread() is not self._thread and self._thread.is_alive():
-            self._thread.join()
-
-    def join(self) -> None:
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
 
     def _wake_locked(self) -> None:
         if not self._woken and self._wake_fd >= 0:
@@ -359,25 +290,6 @@ class _Engine:
                 self._poller.unregister(fd)
             except (KeyError, ValueError):
                 pass
-
-    def _run(self) -> None:
-        try:
-            while self._step():
-                pass
-        except BaseException as e:  # noqa: BLE001 - a bug here must not hang the callers
-            import traceback
-
-            print(f"{self.owner}: internal error in the manager thread:", file=sys.stderr)
-            traceback.print_exception(type(e), e, e.__traceback__)
-            self._break(
-                f"{self.owner}: internal error in its manager thread ({type(e).__name__}: "
-                f"{e}); this is a bug in tensormp, please report it",
-                e,
-            )
-            with self._lock:
-                self._state = _TERMINATE
-        finally:
-            self._shutdown()
 
     def _step(self) -> bool:
         with self._lock:
@@ -802,28 +714,6 @@ class _Engine:
             w.retiring = True  # it exits after this task: start its successor now
             self._replenish()
 
-    def _deliver(self, task: _Task, ok: bool, value: Any) -> None:
-        task.msg = None  # the argument blocks can be recycled once the worker released them
-        task.args = None
-        try:
-            task.sink(ok, value)
-        except BaseException as e:  # noqa: BLE001 - a user callback raised
-            import traceback
-
-            print(f"{self.owner}: exception in a result callback (ignored):", file=sys.stderr)
-            traceback.print_exception(type(e), e, e.__traceback__)
-
-    def _break(self, msg: str, cause: BaseException | None) -> None:
-        with self._lock:
-            if self._broken_msg is not None:
-                return
-            self._broken_msg = msg
-            self._broken_cause = cause
-            tasks = self._pop_pending_locked()
-        for task in tasks:
-            _abandon(task)
-            self._deliver(task, False, self.broken())
-
     def _closing_done(self) -> bool:
         """close(): once every task is done, stop the workers; True when all have exited."""
         with self._lock:
@@ -903,11 +793,6 @@ def _exit_text(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _abandon(task: _Task) -> None:
-    """A task that will never be sent gives back what pickling it reserved."""
-    if task.msg is not None:
-        task.msg.abandon()
-        task.msg = None
 
 
 class Engine(_Engine):
@@ -930,13 +815,6 @@ class Engine(_Engine):
             lost_error=config.lost_error,
             broken_error=config.broken_error,
         )
-
-    @property
-    def is_broken(self) -> bool:
-        return self._broken_msg is not None
-
-    def broken_error(self, msg: str) -> BrokenPoolError:
-        return self._broken_error(msg)
 
     def describe(self) -> str:
         pids = [w.pid for w in list(self.workers) if not w.gone]
