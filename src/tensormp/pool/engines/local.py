@@ -766,25 +766,13 @@ class _Engine(QueueEngine):
             unfinished.extend(w.outstanding)
             w.outstanding.clear()
             self._forget(w)
-        with self._lock:
-            unfinished.extend(self._pending)
-            self._pending.clear()
-            self._room.notify_all()
-        for task in unfinished:
-            if task.msg is not None:
-                task.msg.abandon()  # no-op for messages already sent
-            error = self._broken_error(
-                f"{self.owner} was terminated (terminate(), shutdown, or the end of its `with` "
-                f"block) before {_describe(task.label)} finished"
-            )
-            self._deliver(task, False, error)
+        self._fail_unfinished(unfinished)
         with self._lock:
             self._unregister(self._wake_fd)
             if self._wake_fd >= 0:
                 os.close(self._wake_fd)
             self._wake_fd = -1
-            if self._state != _TERMINATE:
-                self._state = _TERMINATE if self._state == _RUN else self._state
+        self._end_state()
 
 
 def _exit_text(code: int) -> str:
