@@ -156,8 +156,9 @@ def test_import_loads_only_what_is_used(tmp_path):
     subprocess.run([sys.executable, str(script), str(out)], check=True, timeout=50)
     loaded = set(out.read_text().split())
     assert "tensormp.context" in loaded  # its Process class
+    # dataclasses pulls in inspect, ast, dis, tokenize: ~10 ms of every child's start-up
     for heavy in ("numpy", "tensormp.connection", "multiprocessing.connection", "tensormp.pool",
-                  "tempfile"):
+                  "tempfile", "dataclasses", "inspect"):
         assert heavy not in loaded, f"a Process child imported {heavy}"
 
 
