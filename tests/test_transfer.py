@@ -453,6 +453,110 @@ def test_forwarded_block_is_not_recycled_while_held():
     _stats_after(lambda s: s["remote_held_bytes"] == 0, 10.0)
 
 
+def _forward_back(q_in, q_out):
+    a = q_in.get()
+    q_out.put(a)  # back to its creator, as a ping-pong does
+    del a
+    q_in.get()  # stay until told: no exit-time records in between
+
+
+def test_forward_tells_holds_and_acquire_in_one_datagram():
+    """A process that forwards an array it received tells the creator that it holds it and
+    that one more handle is out in one datagram (one wake-up of the creator's release
+    thread), the hold first."""
+    from tensormp.memory import allocator
+
+    st = allocator._allocator
+    st.address()
+    server = st.server
+    handler = server._handler
+    seen = []
+
+    def spy(pid, records):
+        seen.append((pid, [r[0] for r in records]))
+        handler(pid, records)
+
+    ctx = mp.get_context("spawn")
+    q1, q2 = ctx.SimpleQueue(), ctx.SimpleQueue()
+    p = ctx.Process(target=_forward_back, args=(q1, q2))
+    server._handler = spy
+    p.start()
+    try:
+        a = mp.full(512, 1.0)
+        q1.put(a)
+        b = q2.get()
+        b[1] = 5.0
+        assert a[1] == 5.0  # the same memory came back
+        del a, b
+        assert wait_for(lambda: any(b"A" in ops for pid, ops in seen if pid == p.pid), 10.0)
+        first = next(ops for pid, ops in seen if pid == p.pid)
+        assert first == [b"H", b"A"], f"the forwarder's datagrams: {seen}"
+    finally:
+        server._handler = handler
+        q1.put(None)
+        p.join(30)
+    assert p.exitcode == 0
+    _stats_after(lambda s: s["remote_held_bytes"] == 0, 10.0)
+
+
+def _survivor_still_protected(go, result, survivor):
+    """A holder of a 1 MiB block was SIGKILLed: after the creator's liveness sweep dropped its
+    hold, the block stays held for ``survivor`` (new blocks do not reuse it), whose content
+    check (``go`` -> ``result``) passes, and is freed once ``survivor`` lets go."""
+    import time
+
+    time.sleep(2.5)  # the creator's sweep (about once a second) drops the victim's hold
+    assert mp.memory_stats()["remote_held_bytes"] >= 1 << 20  # the survivor still holds it
+    scratch = [mp.empty(1 << 17) for _ in range(4)]  # a recycled block would be reused here
+    for s in scratch:
+        s[...] = -1.0
+    go.put(1)
+    assert result.get(timeout=30) is True
+    survivor.join(30)
+    del scratch
+    stats = _stats_after(lambda s: s["remote_held_bytes"] == 0, 10.0)
+    assert stats["remote_held_bytes"] == 0
+
+
+def _forward_and_hold(q_in, q_out, ready, go, result):
+    a = q_in.get()
+    q_out.put(a)
+    ready.put("forwarded")
+    go.get()
+    result.put(bool((a == 7.0).all()))
+    del a
+
+
+def _receive_and_hold(q, ready, go, result):
+    a = q.get()
+    ready.put("received")
+    go.get()
+    result.put(bool((a == 7.0).all()))
+    del a
+
+
+@pytest.mark.parametrize("killed", ["forwarder", "receiver"])
+def test_forwarded_block_is_freed_once_forwarder_and_receiver_are_gone(killed):
+    """The creator keeps a forwarded block while either the forwarder or the receiver holds
+    it, whichever of them is SIGKILLed (its liveness sweep drops only the dead one's hold),
+    and frees it once the other lets go."""
+    ctx = mp.get_context("spawn")
+    q1, q2, ready, go_f, go_r, result = (ctx.Queue() for _ in range(6))
+    fwd = ctx.Process(target=_forward_and_hold, args=(q1, q2, ready, go_f, result))
+    rcv = ctx.Process(target=_receive_and_hold, args=(q2, ready, go_r, result))
+    fwd.start()
+    rcv.start()
+    a = mp.full(1 << 17, 7.0)  # 1 MiB: its own block
+    q1.put(a)
+    assert sorted([ready.get(timeout=30), ready.get(timeout=30)]) == ["forwarded", "received"]
+    del a
+    victim, survivor, go = (fwd, rcv, go_r) if killed == "forwarder" else (rcv, fwd, go_f)
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(30)
+    _survivor_still_protected(go, result, survivor)
+    assert survivor.exitcode == 0
+
+
 def _keep_and_echo_views(q, out, n):
     keep = []
     for _ in range(n):
@@ -670,17 +774,4 @@ def test_two_holders_one_sigkilled_the_other_still_protected():
     del a
     os.kill(victim.pid, signal.SIGKILL)
     victim.join(30)
-    import time
-
-    time.sleep(2.5)  # the creator's sweep (about once a second) drops the victim's hold
-    held = mp.memory_stats()["remote_held_bytes"]
-    assert held >= 1 << 20  # still held by the keeper
-    scratch = [mp.empty(1 << 17) for _ in range(4)]  # a recycled block would be reused here
-    for s in scratch:
-        s[...] = -1.0
-    go.put(1)
-    assert result.get(timeout=30) is True
-    keeper.join(30)
-    del scratch
-    stats = _stats_after(lambda s: s["remote_held_bytes"] == 0, 10.0)
-    assert stats["remote_held_bytes"] == 0
+    _survivor_still_protected(go, result, keeper)

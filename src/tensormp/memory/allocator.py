@@ -178,13 +178,16 @@ def note_handle(block: Block) -> tuple[bytes, int]:
             block.remote += 1
             return seg.owner_addr, 0
         addr = seg.owner_addr
-        if not addr or seg.creator_pid == os.getpid():
+        if not addr or seg.creator_pid == arenas.pid:
             return addr, 0
-        token = int.from_bytes(os.urandom(8), "little") | 1
-        # The acquire goes out now, blocking, in one datagram with the records queued before it
-        # (holds for this creator ride along for free).
-        release.post(addr, release.pack(b"A", seg.id, block.offset, 1, token))
-        records = release.take_queued(addr)
+        token = st.new_token()
+        # The acquire goes out now, blocking, in one datagram with everything this process has
+        # for that creator: the records queued before it, and the holds not announced yet
+        # (the block being forwarded was usually just received). Without them the holds would
+        # follow in a second datagram, a second wake-up of the creator's release thread.
+        if st.unannounced:
+            holds.announce_holds(st)
+        records = release.take_queued(addr) + release.pack(b"A", seg.id, block.offset, 1, token)
     if not release.send_records(addr, records, block=True):
         # The creator is alive but did not take the acquire within 2 s (or is gone, in which
         # case nothing is recycled anyway). Never let it recycle early: keep our own view,
@@ -205,7 +208,7 @@ def forget_handle(block: Block) -> None:
         if not block.pinned and seg.owner_addr:
             st.pending.append(("forget", block))  # may run from a finalizer: never wait here
             st.drain()
-    elif seg.owner_addr and seg.creator_pid != os.getpid():
+    elif seg.owner_addr and seg.creator_pid != st.arenas.pid:
         st.pending.append(("forget", block))
         st.drain()
 
@@ -213,7 +216,7 @@ def forget_handle(block: Block) -> None:
 def forget_received(owner_addr: bytes, seg_id: bytes, offset: int, creator_pid: int) -> None:
     """A handle to another process's block arrived here but could not be rebuilt (its file is
     gone, no fd...): release the creator's count for it, as if it had been held and dropped."""
-    if owner_addr and creator_pid != os.getpid():
+    if owner_addr and creator_pid != _state.arenas.pid:
         with _state:
             release.post(owner_addr, release.pack(b"D", seg_id, offset, 1), urgent=True)
 

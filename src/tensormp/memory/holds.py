@@ -17,7 +17,8 @@
   When the root dies it sends ``R`` for the announced ones and ``D`` for the rest
   (:func:`post_release`).
 * Acquire tokens: a forwarded handle carries the token of the forwarder's blocking ``A``
-  record. When the creator itself receives that handle before its server thread has read the
+  record (``MemoryState.new_token``; the forwarder's unannounced holds ride in the same
+  datagram, before the ``A``: ``allocator.note_handle``). When the creator itself receives that handle before its server thread has read the
   ``A``, the token waits in ``MemoryState.early`` and cancels the ``A`` when it comes; a counted
   ``A`` waits in ``MemoryState.acquired`` for its handle.
 

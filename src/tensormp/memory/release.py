@@ -21,7 +21,13 @@ from the kernel (``SCM_CREDENTIALS``), never from the record:
   an array it received). Sent *blocking* before the message leaves, so the creator counts that
   handle before the forwarded receiver can ever release it (datagrams from one sender arrive in
   order, and the forward's receiver only releases after the forwarder's acquire was queued).
-  The acquire carries a random *token* that the forwarded handle carries too: when the creator
+  It goes in one datagram with everything else the forwarder has for that creator, in order:
+  the records queued before it, then ``H`` for the holds it has not announced yet (the block
+  it forwards was usually just received), then the ``A``. A ping-pong thus costs the
+  forwarder one datagram per round trip, and the creator's thread at most one wake-up.
+  The acquire carries a *token* that the forwarded handle carries too (unique among the tokens
+  a creator sees: each process steps a random odd 64-bit start by 2, so no ``getrandom`` per
+  forward; a fork child starts afresh with its new allocator state): when the creator
   itself receives that handle, its main thread may get there before its release thread has
   read the acquire. It then consumes the handle only once the acquire with that token has
   been counted (an early arrival is remembered and cancels the acquire when it comes), so the
@@ -37,7 +43,10 @@ is the same as for a record still queued: those blocks stay pinned in their crea
 
 ``H``, ``R`` and ``D`` never block the caller: they are queued and batched (see ``post``); records
 that find the creator's buffer full stay queued and are sent again, blocking for at most 2 s
-when the process exits. A record that cannot be delivered at all leaves its block pinned in
+when the process exits. A blocking send (an ``A``, the flush at exit) first tries without
+blocking, and only waits (``poll`` then ``sendto``, up to 2 s) when the creator's buffer is
+full; a batch of more than ``_MAX_RECORDS`` records goes as several datagrams, in order, so the
+reader's fixed-size buffer never truncates one. A record that cannot be delivered at all leaves its block pinned in
 the creator: memory held longer, never reused too early.
 
 The creator counts, per block, handles it pickled plus acquires minus released counts; it
@@ -208,23 +217,33 @@ def _client_socket(blocking: bool = False) -> socket.socket:
 
 
 def _sendto(address: bytes, data: bytes, blocking: bool) -> bool | None:
-    """True: sent; False: the creator is gone; None: its buffer is full (or timed out)."""
-    try:
-        _client_socket(blocking).sendto(data, address)
-        return True
-    except (BlockingIOError, TimeoutError):
-        return None
-    except OSError as e:
-        if e.errno in (errno.ECONNREFUSED, errno.ENOENT):
-            return False
-        if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS, errno.EMFILE, errno.ENFILE):
-            return None  # full, or we are out of fds for the client socket: try again later
-        raise
+    """True: sent; False: the creator is gone; None: its buffer is full (or timed out).
+
+    A blocking send first tries the non-blocking socket: the usual case (room in the buffer)
+    then costs one ``sendto``, without the ``poll`` that a socket with a timeout makes first."""
+    for waiting in (False, True) if blocking else (False,):
+        try:
+            _client_socket(waiting).sendto(data, address)
+            return True
+        except (BlockingIOError, TimeoutError):
+            continue
+        except OSError as e:
+            if e.errno in (errno.ECONNREFUSED, errno.ENOENT):
+                return False
+            if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS, errno.EMFILE, errno.ENFILE):
+                continue  # full, or we are out of fds for the client socket: try again later
+            raise
+    return None
 
 
 def send_records(address: bytes, data: bytes, block: bool) -> bool:
-    """Send records to a creator now; False when it is gone or did not take them."""
-    return bool(_sendto(address, data, block))
+    """Send records (``pack`` results, joined) to a creator now, in order, in datagrams of at
+    most ``_MAX_RECORDS``; False when it is gone or did not take them all."""
+    step = _RECORD.size * _MAX_RECORDS
+    for start in range(0, len(data), step):
+        if not _sendto(address, data[start : start + step], block):
+            return False
+    return True
 
 
 # Holds and releases are batched per creator: one datagram (and one wake-up of the creator's

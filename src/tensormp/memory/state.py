@@ -18,6 +18,7 @@ releasing it (:meth:`MemoryState.unlock`).
 from __future__ import annotations
 
 import collections
+import os
 import threading
 from collections.abc import Callable
 
@@ -62,7 +63,7 @@ class MemoryState:
     __slots__ = (
         "lock", "pending", "segments", "root_blocks", "arenas", "foreign", "unannounced",
         "start_times", "acquired", "early", "held_forever", "fork_acquired",
-        "forked_segments", "exiting", "server", "root_died",
+        "forked_segments", "exiting", "server", "root_died", "_token",
     )
 
     def __init__(self, cache_limit: int, root_died: Callable[[RootRef], None]) -> None:
@@ -82,6 +83,15 @@ class MemoryState:
         self.exiting = False
         self.server: release.ReleaseServer | None = None
         self.root_died = root_died
+        # Acquire tokens (holds.py) only need to differ from the other tokens its creator may
+        # see: a random odd start (a fresh one in each process: a fork child gets a new state)
+        # stepped by 2, instead of a getrandom() call per forward.
+        self._token = int.from_bytes(os.urandom(8), "little") | 1
+
+    def new_token(self) -> int:
+        """A fresh acquire token: odd, so never 0 (the lock is held)."""
+        self._token = (self._token + 2) & 0xFFFF_FFFF_FFFF_FFFF
+        return self._token
 
     # -- the lock -------------------------------------------------------------------------------
     def __enter__(self) -> None:
