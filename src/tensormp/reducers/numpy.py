@@ -22,7 +22,10 @@ offset for the common C-contiguous array.
 
 from __future__ import annotations
 
+import ctypes
 import pickle
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -83,6 +86,37 @@ def copy_to_shared(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.ndarray(a.shape, a.dtype, root, 0, strides), root
 
 
+def _interface_address(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+def _struct_address(
+    a: np.ndarray, _at: int = object.__basicsize__, _read: Any = ctypes.c_void_p.from_address
+) -> int:
+    return _read(id(a) + _at).value or 0
+
+
+def _pick_address() -> Callable[[np.ndarray], int]:
+    """The address of an array's first element, the fast way when it is right here.
+
+    ``a.__array_interface__`` builds a dict per call (about 3 us here, once per array sent);
+    numpy's array struct (``PyArrayObject_fields``, part of its ABI: the ``PyArray_DATA``
+    function of compiled extensions reads it) holds the pointer right after the object header,
+    which CPython's ``id()`` locates: 0.3 us. Checked against ``__array_interface__`` on a few
+    arrays at import; on any other interpreter or layout, ``__array_interface__`` it is.
+    """
+    if sys.implementation.name != "cpython":
+        return _interface_address
+    base = np.arange(64, dtype=np.uint8)
+    probes = [base, base[3:], base[::-2], base.reshape(8, 8).T[2:], np.empty(0)]
+    if all(_struct_address(p) == _interface_address(p) for p in probes):
+        return _struct_address
+    return _interface_address  # pragma: no cover - another layout
+
+
+_data_address = _pick_address()
+
+
 def _dtype_token(dt: np.dtype) -> np.dtype | str:
     # A plain dtype travels as its short string ('<f4'): much cheaper to pickle than the object.
     return dt.str if dt.fields is None and dt.subdtype is None and dt.metadata is None else dt
@@ -127,7 +161,7 @@ def reduce_ndarray(a: np.ndarray) -> str | tuple[Any, ...]:
         msg.on_abandon(forget_handle, block)
         if owner_addr and not token:
             msg.noted.append(block)
-        offset = a.__array_interface__["data"][0] - seg.address - block.offset
+        offset = _data_address(a) - seg.address - block.offset
         strides = None if a.flags.c_contiguous else a.strides
         msg.keepalive.append(root)
     return rebuild_ndarray, (
