@@ -230,3 +230,48 @@ def test_random_sigkills_with_tiny_tasks_from_threads_never_hang_or_mix_up():
         time.sleep(0.3)  # the killer's last victim is noticed and replaced
         assert wait_for(lambda: sum(w.ready for w in pool._engine.workers) == 2, 30)
         assert pool.map(_inc, range(100)) == list(range(1, 101))
+
+
+def _refuse_to_load():
+    raise LookupError("this callable cannot be loaded in a worker")
+
+
+class _LoadsNowhere:
+    """Pickles in the parent; unpickling it raises (as a function a worker cannot import)."""
+
+    def __call__(self, x):
+        return x
+
+    def __reduce__(self):
+        return (_refuse_to_load, ())
+
+
+@pytest.mark.timeout(60)
+def test_light_batches_mix_kinds_and_fail_task_by_task():
+    # Light tasks (scalar, str, bytes arguments) travel as tuples inside one pickle per batch,
+    # their callables pickled once per batch; others as their own pickles in the same batch.
+    with mp.get_context("spawn").Pool(2) as pool:
+        words = [f"w{i}" * (i % 5) for i in range(400)]
+        assert list(pool.imap(len, words)) == [len(w) for w in words]
+        mixed = [i if i % 3 else (i,) for i in range(300)]  # a tuple is not light
+        assert list(pool.imap(_echo, mixed)) == mixed
+        got = [pool.apply_async(_inc, (i,)) for i in range(200)]
+        got += [pool.apply_async(_echo, (b"x" * i,)) for i in range(200)]
+        assert [r.get(timeout=30) for r in got] == [i + 1 for i in range(200)] + [
+            b"x" * i for i in range(200)
+        ]
+        # A callable the workers cannot unpickle: every task fails on its own, none hangs,
+        # and the pool goes on.
+        results = [pool.apply_async(_LoadsNowhere(), (i,)) for i in range(100)]
+        for r in results:
+            with pytest.raises(LookupError, match="cannot be loaded"):
+                r.get(timeout=30)
+        it = pool.imap(_LoadsNowhere(), range(50))
+        for _ in range(50):
+            with pytest.raises(LookupError):
+                next(it)
+        assert pool.map(_inc, range(1000), chunksize=1) == list(range(1, 1001))
+
+
+def _echo(x):
+    return x

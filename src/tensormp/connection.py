@@ -422,8 +422,10 @@ class Connection(_mpc.Connection):
         record.close_tokens()
         if maxsize is not None and len(record.data) > maxsize:
             raise OSError("bad message length")
-        buf = io.BytesIO()
-        buf.write(record.data)  # positioned at the end, as the stdlib's (recv_bytes_into reads tell())
+        # Shares record.data (no copy; getvalue() returns it as is), positioned at the end as
+        # the stdlib's buffer (recv_bytes_into reads tell()).
+        buf = io.BytesIO(record.data)
+        buf.seek(0, io.SEEK_END)
         return buf
 
     # -- objects ------------------------------------------------------------------------------

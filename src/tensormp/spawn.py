@@ -172,15 +172,11 @@ class ProcessException(TensormpError, Exception):
     def __str__(self) -> str:
         return self.msg
 
-    def _extra(self) -> dict[str, Any]:
-        return {"failures": self.failures}
-
     def _state(self) -> dict[str, Any]:
-        state = self._extra()
-        notes = getattr(self, "__notes__", None)
-        if notes is not None:
-            state["__notes__"] = list(notes)
-        return state
+        # Every attribute travels, set by the class or later (``__notes__``; ``node`` and
+        # ``host`` of a failure on another node): an exception sent through a queue or pickled
+        # by a test runner keeps them all.
+        return dict(self.__dict__)
 
     def __reduce__(self) -> Any:
         return (
@@ -212,9 +208,6 @@ class ProcessRaisedException(ProcessException):
         super().__init__(msg, error_index, error_pid, **kwargs)
         self.exc_type = exc_type
         self.exc_message = exc_message
-
-    def _extra(self) -> dict[str, Any]:
-        return {**super()._extra(), "exc_type": self.exc_type, "exc_message": self.exc_message}
 
 
 class ProcessExitedException(ProcessException):
@@ -254,9 +247,6 @@ class ProcessTimeoutError(ProcessException, TimeoutError):
     ) -> None:
         super().__init__(msg, error_index, error_pid, **kw)
         self.running = list(running)
-
-    def _extra(self) -> dict[str, Any]:
-        return {**super()._extra(), "running": self.running}
 
 
 class SpawnBootstrapError(TensormpError, RuntimeError):

@@ -10,7 +10,11 @@ What crosses the worker's ``Connection`` (pickled with tensormp's reducers):
   ``(args, kwargs)``), ``_MAP`` (a chunk of items) or ``_STARMAP`` (a chunk of argument tuples);
   ``fn`` is the callable, or a ``_by_value.FnByValue`` (cloudpickle) kept unpickled in a small
   cache. A list: a batch, the pickles of several such tasks that carry no fds (tiny tasks sent
-  in one message), run and answered one by one as if sent one by one. ``None``: stop.
+  in one message), run and answered one by one as if sent one by one: ``[fns, item...]``, an
+  item being a task's own pickle, or for a light task (its arguments only scalars, ``str``,
+  ``bytes``: ``tasks._light_size``) the tuple ``(seq, i, kind, args)``, pickled with the batch,
+  whose callable is ``fns[i]`` (a pickle, loaded once per batch; if it cannot be, each task
+  using it fails on its own). ``None``: stop.
 * worker -> parent: ``(_READY, pid)`` once the initializer ran; ``(_INIT_ERROR, exc)`` when it
   raised (then exit code 1); ``(_RESULT, seq, ok, value, seconds)`` for each task, in order
   (``seq`` is None when the task could not be received or unpickled; ``seconds``: how long the
@@ -61,6 +65,15 @@ class _RawFd:
 
 def _rebuild_raw_fd(index: Any) -> _RawFd:
     return _RawFd(reducers.take_fd(index))
+
+
+class _LoadFailed:
+    """A batch's callable that could not be unpickled: every task using it fails with this."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Any) -> None:
+        self.error = error
 
 
 class _Repr:
@@ -160,12 +173,29 @@ def _worker_main(
     except OSError:  # the pool is gone already
         return
     cache: dict[bytes, Any] = {}
-    batch: list[bytes] = []  # the pickles of a batch's tasks not run yet, last first
+    batch: list[Any] = []  # a batch's tasks not run yet (pickles or tuples), last first
+    batch_fns: list[Any] = []  # its callables: pickles, loaded on first use
     done = 0
     while maxtasks is None or done < maxtasks:
         reply: Any = None
         if batch:
             data, fds = batch.pop(), []
+            if type(data) is tuple:  # a light task: (seq, index of its callable, kind, args)
+                seq, i, kind, args = data
+                data = None
+                fn = batch_fns[i]
+                if type(fn) is bytes:
+                    try:
+                        fn = batch_fns[i] = reducers.loads(fn, [])
+                    except Exception as e:
+                        if hasattr(e, "add_note"):
+                            e.add_note("(unpickling the task's callable in the pool worker)")
+                        fn = batch_fns[i] = _LoadFailed(_wrap(e))
+                if type(fn) is _LoadFailed:
+                    reply = (_RESULT, seq, False, fn.error, 0.0)
+                else:
+                    reply = _run_task(conn, (seq, fn, kind, args), cache)
+                del args, fn
         else:
             try:
                 data, fds = conn.recv_message()
@@ -187,7 +217,8 @@ def _worker_main(
                 if task is None:
                     return
                 if type(task) is list:  # a batch: each task answered on its own, in order
-                    batch = task[::-1]
+                    batch_fns = task[0]
+                    batch = task[:0:-1]
                     continue
             finally:
                 reducers.process_args_parent(0)
