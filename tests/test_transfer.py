@@ -557,6 +557,48 @@ def test_forwarded_block_is_freed_once_forwarder_and_receiver_are_gone(killed):
     assert survivor.exitcode == 0
 
 
+def _forward_all(q_in, q_out):
+    while (a := q_in.get()) is not None:
+        q_out.put(a)
+        del a
+    q_out.put(None)
+
+
+def _drop_all(q):
+    while (a := q.get()) is not None:
+        del a
+
+
+def test_forwards_to_a_third_process_leave_no_tokens_in_the_creator():
+    """The creator keeps each counted acquire's token until the forwarded handle comes back to
+    it, which never happens in a pipeline that forwards to a third process: the tokens must
+    go once the block's remote count is back to zero (they used to pile up, one per array)."""
+    from tensormp.memory import allocator
+
+    ctx = mp.get_context("spawn")
+    q1, q2 = ctx.SimpleQueue(), ctx.SimpleQueue()
+    procs = [
+        ctx.Process(target=_forward_all, args=(q1, q2)),
+        ctx.Process(target=_drop_all, args=(q2,)),
+    ]
+    for p in procs:
+        p.start()
+    a = mp.zeros(8)
+    for _ in range(200):
+        q1.put(a)
+    q1.put(None)
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    st = allocator._allocator
+    assert wait_for(lambda: not st.arenas.remote_held, 10.0)  # every handle came back
+    tokens = len(getattr(st, "acquired", ())) + sum(
+        len(getattr(b, "acquired", None) or ()) for b in list(st.root_blocks.values())
+    )
+    assert tokens == 0
+    del a
+
+
 def _keep_and_echo_views(q, out, n):
     keep = []
     for _ in range(n):

@@ -162,7 +162,8 @@ def note_handle(block: Block) -> tuple[bytes, int]:
 
     The creator counts the handle; a forwarding process first tells the creator (blocking
     ``acquire`` with a fresh token, which the handle carries) so the block cannot be recycled
-    while the forwarded handle is out.
+    while the forwarded handle is out, in one datagram with its records queued for that
+    creator and its holds not announced yet (release.py).
     """
     seg = block.segment
     st = _state

@@ -62,11 +62,13 @@ class Block:
         holders: who holds the ``remote`` handles (see :data:`Holders`).
         ref: the weakref of the current root in this process.
         local_dead: the death of this process's last root has been processed.
+        acquired: (owned blocks) tokens of counted acquires whose handle has not come back
+            here (``holds.py``); None when there are none.
     """
 
     __slots__ = (
         "segment", "offset", "capacity", "owned", "owner_pid", "remote", "received", "pinned",
-        "holders", "ref", "local_dead", "announced",
+        "holders", "ref", "local_dead", "announced", "acquired",
     )
 
     def __init__(
@@ -84,6 +86,7 @@ class Block:
         self.holders: Holders = None
         self.ref: RootRef | None = None
         self.local_dead = False
+        self.acquired: set[int] | None = None
 
     def __repr__(self) -> str:
         live = self.ref is not None and self.ref() is not None

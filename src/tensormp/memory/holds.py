@@ -20,7 +20,9 @@
   record (``MemoryState.new_token``; the forwarder's unannounced holds ride in the same
   datagram, before the ``A``: ``allocator.note_handle``). When the creator itself receives that handle before its server thread has read the
   ``A``, the token waits in ``MemoryState.early`` and cancels the ``A`` when it comes; a counted
-  ``A`` waits in ``MemoryState.acquired`` for its handle.
+  ``A`` waits in its block's ``Block.acquired`` for its handle, which may never come back to the
+  creator (a forward to a third process): a block's tokens are dropped when its remote count
+  reaches zero, when every handle is back and none carrying them can still arrive.
 
 Every function here runs with ``MemoryState``'s lock held (the caller's).
 """
@@ -98,6 +100,7 @@ def drop_remote(st: MemoryState, block: Block, count: int) -> None:
         return
     block.remote = 0
     block.holders = None
+    block.acquired = None  # no handle is out: none of these tokens can come back
     arenas = st.arenas
     del arenas.remote_held[(block.segment.id, block.offset)]
     if block.local_dead:  # our own view is gone too
@@ -108,13 +111,16 @@ def drop_remote(st: MemoryState, block: Block, count: int) -> None:
 def take_back(st: MemoryState, held: Block, token: int) -> None:
     """Our own block ``held`` came back to us in a handle (carrying acquire ``token``, or 0):
     that handle is consumed here."""
-    if token and token not in st.acquired:
+    acquired = held.acquired
+    if token and (acquired is None or token not in acquired):
         st.early.add(token)  # its acquire is not counted yet: it will cancel out
     else:
-        st.acquired.discard(token)
+        if acquired is not None:
+            acquired.discard(token)
         held.remote -= 1
     if held.remote == 0:
         held.holders = None
+        held.acquired = None
         del st.arenas.remote_held[(held.segment.id, held.offset)]
 
 
@@ -165,7 +171,9 @@ def apply_records(
         elif op == b"A":
             block.remote += count
             if token:
-                st.acquired.add(token)
+                if block.acquired is None:
+                    block.acquired = set()
+                block.acquired.add(token)
         elif op == b"H" or op == b"R":
             if key is None:
                 key = holder_key(st, pid)

@@ -52,7 +52,7 @@ class MemoryState:
         foreign: idle mappings of other processes' segments.
         unannounced: foreign blocks holding handles the creator has not been told of yet.
         start_times: pid -> start time, for holders seen.
-        acquired, early: acquire tokens (``holds.py``).
+        early: acquire tokens whose handle came back before their ``A`` (``holds.py``).
         held_forever: roots kept until exit (a creator did not take an acquire in time).
         fork_acquired: received blocks the next fork child holds one handle to.
         forked_segments: ids of segments alive when this process forked.
@@ -62,7 +62,7 @@ class MemoryState:
 
     __slots__ = (
         "lock", "pending", "segments", "root_blocks", "arenas", "foreign", "unannounced",
-        "start_times", "acquired", "early", "held_forever", "fork_acquired",
+        "start_times", "early", "held_forever", "fork_acquired",
         "forked_segments", "exiting", "server", "root_died", "_token",
     )
 
@@ -75,7 +75,6 @@ class MemoryState:
         self.foreign = ForeignCache(self.close_if_unused)
         self.unannounced: set[Block] = set()
         self.start_times: dict[int, int] = {}
-        self.acquired: set[int] = set()
         self.early: set[int] = set()
         self.held_forever: list[np.ndarray] = []
         self.fork_acquired: list[Block] = []
