@@ -2,7 +2,9 @@
 
 ``C`` and ``S`` records are written synchronously, in the thread that causes them, before
 the event they announce can be observed by anyone else: ``C`` before the file is created,
-``S`` before the message leaves (right after it is pickled). ``R`` records (sent after the
+``S`` before the message leaves (right after it is pickled). A record is one ``write()`` on the
+socket's non-blocking fd (no ``poll`` first, as a socket with a timeout makes before every
+``send()``); only when the daemon's buffer is full does the writer wait, up to the timeout. ``R`` records (sent after the
 rebuilt arrays are mapped) are queued and sent within 50 ms (see :func:`received`): a late
 ``R`` only keeps a segment longer. That order is what lets the daemon count a handle in flight
 without ever reading a receiver's ``R`` before the sender's ``S`` is readable. A receiver
@@ -140,7 +142,16 @@ def _send_locked(packets: list[bytes], must: bool) -> None:
                 _sock = None
                 _sock = _connect()
                 _sock_dir = fs.shm_dir()
+            fd = _sock.fileno()
             for packet in packets:
+                # The socket has a timeout, so Python polls before every send(); its fd is
+                # non-blocking underneath (that is how Python times out), so write() first
+                # and let send() wait only when the daemon's buffer is full (EAGAIN).
+                try:
+                    os.write(fd, packet)  # one record: sent whole or not at all
+                    continue
+                except BlockingIOError:
+                    pass
                 _sock.send(packet)
             return
         except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError, TimeoutError):
