@@ -36,6 +36,7 @@ import os
 import reprlib
 import signal
 import sys
+import types
 from time import perf_counter
 from typing import Any
 
@@ -108,15 +109,30 @@ def _send_quietly(conn: Any, obj: Any) -> None:
         pass
 
 
+def _stateless(fn: Any) -> bool:
+    """Whether unpickling ``fn`` again would give the same object (a function, builtin or
+    class found by name), so one loaded copy can serve many tasks. A callable object, bound
+    method or partial is unpickled afresh for each task instead, as the stdlib does: what one
+    call changes in it is not seen by the next."""
+    return type(fn) in _STATELESS or isinstance(fn, type)
+
+
+_STATELESS = (types.FunctionType, types.BuiltinFunctionType, FnByValue)
+
+
 def _load_fn(fn: Any, cache: dict[bytes, Any]) -> Any:
+    """The callable of a task: ``fn`` itself, or a :class:`FnByValue` loaded. A function sent
+    by value is loaded once per worker (its globals then live on between calls, as a module's
+    do in a stdlib worker); any other callable sent by value is loaded afresh for each task."""
     if not isinstance(fn, FnByValue):
         return fn
     loaded = cache.get(fn.data)
     if loaded is None:
         loaded = fn.load()
-        if len(cache) >= _FN_CACHE:
-            cache.pop(next(iter(cache)))
-        cache[fn.data] = loaded
+        if type(loaded) is types.FunctionType:
+            if len(cache) >= _FN_CACHE:
+                cache.pop(next(iter(cache)))
+            cache[fn.data] = loaded
     return loaded
 
 
@@ -186,11 +202,15 @@ def _worker_main(
                 fn = batch_fns[i]
                 if type(fn) is bytes:
                     try:
-                        fn = batch_fns[i] = reducers.loads(fn, [])
+                        fn = reducers.loads(fn, [])
                     except Exception as e:
                         if hasattr(e, "add_note"):
                             e.add_note("(unpickling the task's callable in the pool worker)")
                         fn = batch_fns[i] = _LoadFailed(_wrap(e))
+                    else:
+                        if _stateless(fn):  # the same object whenever it is unpickled
+                            batch_fns[i] = fn
+                        # else each task gets its own copy of the callable, as the stdlib's
                 if type(fn) is _LoadFailed:
                     reply = (_RESULT, seq, False, fn.error, 0.0)
                 else:
