@@ -349,3 +349,22 @@ def test_bound_methods_of_main_classes_keep_arrays_shared(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          timeout=100)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def _gives_four_then_raises():
+    yield from range(4)
+    raise RuntimeError("the iterable broke")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("what", ["imap", "imap_unordered"])
+def test_an_iterable_that_raises_comes_after_the_answers_before_it(what):
+    with mp.get_context("spawn").Pool(2) as pool:
+        got = []
+        it = getattr(pool, what)(_sleep, (0.05 * (i % 2) for i in _gives_four_then_raises()))
+        with pytest.raises(RuntimeError, match="the iterable broke"):
+            for x in it:
+                got.append(x)
+        assert sorted(got) == [0, 0, 0.05, 0.05]  # the stdlib's order too: answers first
+        with pytest.raises(StopIteration):
+            next(it)

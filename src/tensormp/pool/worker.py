@@ -43,6 +43,7 @@ from typing import Any
 from .. import reducers
 from .._by_value import FnByValue
 from ..errors import FdLimitError
+from .tasks import _pickles
 
 _CALL, _MAP, _STARMAP = 0, 1, 2  # task kinds
 _READY, _INIT_ERROR, _RESULT, _DYING = 0, 1, 2, 3  # worker -> parent message tags
@@ -256,6 +257,10 @@ def _worker_main(
             )
 
             short = _Repr(reprlib.repr(reply[3]))
-            conn.send((_RESULT, reply[1], False, _wrap(MaybeEncodingError(e, short)), reply[4]))
+            error = MaybeEncodingError(e, short)
+            # The pickling error itself travels too (in the instance's __dict__), when it can:
+            # the executor raises it, as concurrent.futures does.
+            error.pickling_error = e if _pickles(e) else None
+            conn.send((_RESULT, reply[1], False, _wrap(error), reply[4]))
         reply = None
         done += 1
