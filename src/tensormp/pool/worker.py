@@ -18,7 +18,7 @@ What crosses the worker's ``Connection`` (pickled with tensormp's reducers):
 * worker -> parent: ``(_READY, pid)`` once the initializer ran; ``(_INIT_ERROR, exc)`` when it
   raised (then exit code 1); ``(_RESULT, seq, ok, value, seconds)`` for each task, in order
   (``seq`` is None when the task could not be received or unpickled; ``seconds``: how long the
-  call ran, which sets how many tasks the parent queues ahead, ``manager.py`` "Prefetch");
+  call ran, which sets how many tasks the parent queues ahead, ``engines/local.py`` "Prefetch");
   ``(_DYING, seq, traceback)`` just before a ``BaseException`` (``SystemExit``...) raised by a
   task ends the worker.
 
