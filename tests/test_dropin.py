@@ -266,3 +266,46 @@ def test_put_raises_pickling_errors_in_the_caller():
     finally:
         q.close()
         q.join_thread()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("nbytes", [1, 100, 70_000, 3 << 20])  # inline, and a memfd payload
+def test_bytes_through_a_pipe_as_the_stdlibs(nbytes):
+    import threading
+
+    data = os.urandom(nbytes)
+    for module in (multiprocessing, mp):  # the stdlib's behaviour is the reference
+        a, b = module.Pipe()
+
+        def send_quietly(*args, a=a):
+            try:
+                a.send_bytes(*args)
+            except OSError:  # after "bad message length", the stdlib's reader is closed
+                pass
+
+        def send(*args, send_quietly=send_quietly):  # a thread: the stdlib's socket is small
+            t = threading.Thread(target=send_quietly, args=args)
+            t.start()
+            return t
+
+        try:
+            t = send(data, 1)  # an offset, as the stdlib
+            assert b.recv_bytes() == data[1:]
+            t.join()
+            t = send(data)
+            buf = bytearray(nbytes + 10)
+            assert b.recv_bytes_into(buf, 3) == nbytes and bytes(buf[3:3 + nbytes]) == data
+            t.join()
+            t = send(data)
+            with pytest.raises(multiprocessing.BufferTooShort) as info:
+                b.recv_bytes_into(bytearray(nbytes - 1))
+            assert info.value.args[0] == data, module.__name__
+            t.join()
+            t = send(data)
+            with pytest.raises(OSError, match="bad message length"):
+                b.recv_bytes(maxlength=nbytes - 1)
+            b.close()  # the rest of that message may still be in the stdlib's socket
+            t.join()
+        finally:
+            a.close()
+            b.close()

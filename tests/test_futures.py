@@ -4,6 +4,8 @@ worker fails one future (TerminatedWorkerError, a BrokenProcessPool) and the exe
 from __future__ import annotations
 
 import concurrent.futures
+import multiprocessing
+import multiprocessing.pool
 import os
 import pickle
 import signal
@@ -186,3 +188,27 @@ def test_exported_names():
     for name in ("ProcessPoolExecutor", "WorkerLostError", "BrokenPoolError",
                  "TerminatedWorkerError", "BrokenExecutorError"):
         assert name in mp.__all__
+
+
+def _make_lock(_):
+    import threading
+
+    return threading.Lock()
+
+
+@pytest.mark.timeout(60)
+def test_an_unpicklable_result_raises_what_concurrent_futures_raises():
+    ctx = mp.get_context("spawn")
+    std = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=std) as ref, \
+            mp.ProcessPoolExecutor(1, mp_context=ctx) as ex:
+        with pytest.raises(Exception) as theirs:
+            ref.submit(_make_lock, 0).result(timeout=30)
+        with pytest.raises(Exception) as ours:
+            ex.submit(_make_lock, 0).result(timeout=30)
+        assert type(ours.value) is type(theirs.value) is TypeError
+        assert "lock" in str(ours.value)
+        assert ex.submit(abs, -3).result(timeout=30) == 3  # the executor goes on
+    with ctx.Pool(1) as pool:  # the Pool keeps the stdlib Pool's type
+        with pytest.raises(multiprocessing.pool.MaybeEncodingError):
+            pool.apply(_make_lock, (0,))

@@ -504,6 +504,10 @@ def test_exceptions_pickle_with_their_attributes():
     assert pickle.loads(pickle.dumps(samples[0])).exc_type == "ValueError"
     assert pickle.loads(pickle.dumps(samples[2])).running == [0, 2]
     assert isinstance(samples[2], TimeoutError) and samples[2].errno is None
+    # What spawn(nnodes=N) adds to a failure from another node travels too.
+    samples[0].__dict__.update(node=1, host="node-b")
+    back = pickle.loads(pickle.dumps(samples[0]))
+    assert (back.node, back.host) == (1, "node-b") and back.__notes__ == samples[0].__notes__
 
 
 # -- fn: lambdas, local functions, the main module ---------------------------------------------

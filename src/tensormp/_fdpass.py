@@ -28,7 +28,7 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 __all__ = ["MAX_FDS", "ANC_SPACE", "fds_of", "sendmsg", "pack", "unpack", "close_all"]
 
@@ -180,10 +180,11 @@ def unpack(fds: list[int], count: int, room: int = MAX_FDS) -> list[int]:
     return out
 
 
-def close_all(fds: Sequence[int]) -> None:
-    """Close every fd of ``fds``, ignoring those already closed."""
+def close_all(fds: Sequence[int], _close: Callable[[int], None] = os.close) -> None:
+    """Close every fd of ``fds``, ignoring those already closed. Safe from ``__del__`` at
+    interpreter exit (``os.close`` is bound here: module globals may be None by then)."""
     for fd in fds:
         try:
-            os.close(fd)
+            _close(fd)
         except OSError:
             pass

@@ -57,7 +57,7 @@ import select
 import socket
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing import connection as _mpc
 from multiprocessing import reduction as _mpr
 from typing import TYPE_CHECKING, Any, overload
@@ -183,10 +183,16 @@ class _Payloads:
             raise
         return token, fd
 
-    def close(self) -> None:
+    def close(
+        self,
+        _getpid: Callable[[], int] = os.getpid,
+        _close_all: Callable[[list[int]], None] = _fdpass.close_all,
+    ) -> None:
+        # Also runs from Connection.__del__ at interpreter exit, when module globals may
+        # already be None: what it calls is bound at definition.
         fds, self.fds = self.fds, []
-        if self.pid == os.getpid():
-            _fdpass.close_all(fds)
+        if self.pid == _getpid():
+            _close_all(fds)
 
 
 def _pread_all(fd: int, length: int) -> bytes:
@@ -416,8 +422,10 @@ class Connection(_mpc.Connection):
         record.close_tokens()
         if maxsize is not None and len(record.data) > maxsize:
             raise OSError("bad message length")
-        buf = io.BytesIO()
-        buf.write(record.data)  # positioned at the end, as the stdlib's (recv_bytes_into reads tell())
+        # Shares record.data (no copy; getvalue() returns it as is), positioned at the end as
+        # the stdlib's buffer (recv_bytes_into reads tell()).
+        buf = io.BytesIO(record.data)
+        buf.seek(0, io.SEEK_END)
         return buf
 
     # -- objects ------------------------------------------------------------------------------

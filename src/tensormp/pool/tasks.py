@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pickle
 import reprlib
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -23,8 +24,15 @@ _top_level: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 def _needs_value(fn: Any) -> bool:
     """True when workers cannot import ``fn`` by name (see ``spawn._defined_at_top_level``)."""
-    if getattr(fn, "__code__", None) is None:
-        return False  # builtin, partial, bound method, callable object: by reference first
+    if type(fn) is types.MethodType:
+        # By reference, as the stdlib: its object is pickled with our reducers (arrays in it
+        # stay shared). By value (a copy of everything it holds) only when the workers could not
+        # find its class by name.
+        from ..spawn import _bound_needs_value
+
+        return _bound_needs_value(fn)
+    if type(fn) is not types.FunctionType:
+        return False  # builtin, partial, callable object: by reference first, as the stdlib
     if "<" in getattr(fn, "__qualname__", "<"):
         return True  # lambda or local function
     if getattr(fn, "__module__", None) != "__main__":
@@ -131,6 +139,51 @@ def _describe(label: tuple[Any, ...]) -> str:
     of = f" of {nchunks}" if nchunks else ""
     items = f"item {first}" if count == 1 else f"items {first}-{first + count - 1}"
     return f"{what}({name}) chunk {index + 1}{of} ({items})"
+
+
+# Types whose values pickle without tensormp's reducers (no fds, no shared memory) in a size
+# known from the value: what tiny tasks are made of.
+_SCALARS = frozenset({int, float, bool, type(None), complex})
+_SIZED = frozenset({str, bytes})
+_LIGHT_ITEMS = 64  # values looked at, at most (a longer chunk is pickled on its own)
+_LIGHT_BYTES = 16 << 10  # the size under which a task counts as light
+
+
+def _light_size(task: _Task) -> int:
+    """About how many bytes ``task`` pickles to when it is *light*: its arguments are only
+    scalars, ``str`` and ``bytes`` (at most ``_LIGHT_ITEMS`` values, ``_LIGHT_BYTES`` bytes),
+    so pickling cannot fail on them nor attach fds or shared memory. -1 when not light.
+
+    A light task needs no pickle of its own before it is sent: the local engine pickles a
+    batch of them in one go (one ``dumps`` per batch instead of one per task, and the worker
+    one ``loads``). Looking costs well under a microsecond for a tiny task."""
+    args = task.args
+    if task.kind == 0:  # _CALL: (args, kwargs)
+        values = list(args[0])
+        if args[1]:
+            values.extend(args[1].values())
+    elif task.kind == 1:  # _MAP: a chunk of items
+        values = args
+    else:  # _STARMAP: a chunk of argument tuples
+        if len(args) > _LIGHT_ITEMS:
+            return -1
+        values = []
+        for item in args:
+            if type(item) is not tuple:
+                return -1
+            values.extend(item)
+    if len(values) > _LIGHT_ITEMS:
+        return -1
+    size = 64
+    for value in values:
+        kind = type(value)
+        if kind in _SCALARS:
+            size += 16
+        elif kind in _SIZED:
+            size += 16 + len(value)
+        else:
+            return -1
+    return size if size <= _LIGHT_BYTES else -1
 
 
 def _pickles(obj: Any) -> bool:

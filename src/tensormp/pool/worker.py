@@ -10,7 +10,11 @@ What crosses the worker's ``Connection`` (pickled with tensormp's reducers):
   ``(args, kwargs)``), ``_MAP`` (a chunk of items) or ``_STARMAP`` (a chunk of argument tuples);
   ``fn`` is the callable, or a ``_by_value.FnByValue`` (cloudpickle) kept unpickled in a small
   cache. A list: a batch, the pickles of several such tasks that carry no fds (tiny tasks sent
-  in one message), run and answered one by one as if sent one by one. ``None``: stop.
+  in one message), run and answered one by one as if sent one by one: ``[fns, item...]``, an
+  item being a task's own pickle, or for a light task (its arguments only scalars, ``str``,
+  ``bytes``: ``tasks._light_size``) the tuple ``(seq, i, kind, args)``, pickled with the batch,
+  whose callable is ``fns[i]`` (a pickle, loaded once per batch; if it cannot be, each task
+  using it fails on its own). ``None``: stop.
 * worker -> parent: ``(_READY, pid)`` once the initializer ran; ``(_INIT_ERROR, exc)`` when it
   raised (then exit code 1); ``(_RESULT, seq, ok, value, seconds)`` for each task, in order
   (``seq`` is None when the task could not be received or unpickled; ``seconds``: how long the
@@ -32,12 +36,14 @@ import os
 import reprlib
 import signal
 import sys
+import types
 from time import perf_counter
 from typing import Any
 
 from .. import reducers
 from .._by_value import FnByValue
 from ..errors import FdLimitError
+from .tasks import _pickles
 
 _CALL, _MAP, _STARMAP = 0, 1, 2  # task kinds
 _READY, _INIT_ERROR, _RESULT, _DYING = 0, 1, 2, 3  # worker -> parent message tags
@@ -61,6 +67,15 @@ class _RawFd:
 
 def _rebuild_raw_fd(index: Any) -> _RawFd:
     return _RawFd(reducers.take_fd(index))
+
+
+class _LoadFailed:
+    """A batch's callable that could not be unpickled: every task using it fails with this."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Any) -> None:
+        self.error = error
 
 
 class _Repr:
@@ -95,15 +110,30 @@ def _send_quietly(conn: Any, obj: Any) -> None:
         pass
 
 
+def _stateless(fn: Any) -> bool:
+    """Whether unpickling ``fn`` again would give the same object (a function, builtin or
+    class found by name), so one loaded copy can serve many tasks. A callable object, bound
+    method or partial is unpickled afresh for each task instead, as the stdlib does: what one
+    call changes in it is not seen by the next."""
+    return type(fn) in _STATELESS or isinstance(fn, type)
+
+
+_STATELESS = (types.FunctionType, types.BuiltinFunctionType, FnByValue)
+
+
 def _load_fn(fn: Any, cache: dict[bytes, Any]) -> Any:
+    """The callable of a task: ``fn`` itself, or a :class:`FnByValue` loaded. A function sent
+    by value is loaded once per worker (its globals then live on between calls, as a module's
+    do in a stdlib worker); any other callable sent by value is loaded afresh for each task."""
     if not isinstance(fn, FnByValue):
         return fn
     loaded = cache.get(fn.data)
     if loaded is None:
         loaded = fn.load()
-        if len(cache) >= _FN_CACHE:
-            cache.pop(next(iter(cache)))
-        cache[fn.data] = loaded
+        if type(loaded) is types.FunctionType:
+            if len(cache) >= _FN_CACHE:
+                cache.pop(next(iter(cache)))
+            cache[fn.data] = loaded
     return loaded
 
 
@@ -160,12 +190,33 @@ def _worker_main(
     except OSError:  # the pool is gone already
         return
     cache: dict[bytes, Any] = {}
-    batch: list[bytes] = []  # the pickles of a batch's tasks not run yet, last first
+    batch: list[Any] = []  # a batch's tasks not run yet (pickles or tuples), last first
+    batch_fns: list[Any] = []  # its callables: pickles, loaded on first use
     done = 0
     while maxtasks is None or done < maxtasks:
         reply: Any = None
         if batch:
             data, fds = batch.pop(), []
+            if type(data) is tuple:  # a light task: (seq, index of its callable, kind, args)
+                seq, i, kind, args = data
+                data = None
+                fn = batch_fns[i]
+                if type(fn) is bytes:
+                    try:
+                        fn = reducers.loads(fn, [])
+                    except Exception as e:
+                        if hasattr(e, "add_note"):
+                            e.add_note("(unpickling the task's callable in the pool worker)")
+                        fn = batch_fns[i] = _LoadFailed(_wrap(e))
+                    else:
+                        if _stateless(fn):  # the same object whenever it is unpickled
+                            batch_fns[i] = fn
+                        # else each task gets its own copy of the callable, as the stdlib's
+                if type(fn) is _LoadFailed:
+                    reply = (_RESULT, seq, False, fn.error, 0.0)
+                else:
+                    reply = _run_task(conn, (seq, fn, kind, args), cache)
+                del args, fn
         else:
             try:
                 data, fds = conn.recv_message()
@@ -187,7 +238,8 @@ def _worker_main(
                 if task is None:
                     return
                 if type(task) is list:  # a batch: each task answered on its own, in order
-                    batch = task[::-1]
+                    batch_fns = task[0]
+                    batch = task[:0:-1]
                     continue
             finally:
                 reducers.process_args_parent(0)
@@ -205,6 +257,10 @@ def _worker_main(
             )
 
             short = _Repr(reprlib.repr(reply[3]))
-            conn.send((_RESULT, reply[1], False, _wrap(MaybeEncodingError(e, short)), reply[4]))
+            error = MaybeEncodingError(e, short)
+            # The pickling error itself travels too (in the instance's __dict__), when it can:
+            # the executor raises it, as concurrent.futures does.
+            error.pickling_error = e if _pickles(e) else None
+            conn.send((_RESULT, reply[1], False, _wrap(error), reply[4]))
         reply = None
         done += 1

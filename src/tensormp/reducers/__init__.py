@@ -43,9 +43,8 @@ import pickle
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 
 from ..errors import HandleError
 from ..memory import release
@@ -82,8 +81,7 @@ class ArrayHelpers(Protocol):
     def is_shared(self, obj: Any) -> bool: ...
 
 
-@dataclass(frozen=True)
-class ArrayLibrary:
+class ArrayLibrary(NamedTuple):  # not a dataclass: `dataclasses` costs a child ~10 ms to import
     """One array library whose arrays tensormp moves through shared memory.
 
     Attributes:
