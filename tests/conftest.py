@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import sys
 import time
 
 import psutil
@@ -13,8 +14,10 @@ import pytest
 import tensormp
 from tensormp.strategies import _client
 
-# Preload in the fork server so forkserver children start fast (numpy, tensormp imported once).
-multiprocessing.set_forkserver_preload(["numpy", "tensormp"])
+# Preload in the fork server so forkserver children start fast: a child imports the test module
+# of its target, and with it pytest, psutil and this file (0.5 s a child on 2 busy cores);
+# preloaded, only the test module's own code is left.
+multiprocessing.set_forkserver_preload(["numpy", "tensormp", "pytest", "psutil", "conftest"])
 START_METHODS = ["spawn", "fork", "forkserver"]
 STRATEGIES = ["file_descriptor", "file_system"]
 
@@ -73,6 +76,22 @@ def _stdlib_helpers() -> None:
     allocator._allocator.address()
     release._client_socket(blocking=False)
     release._client_socket(blocking=True)
+    _freeze_imports()
+
+
+_modules_frozen = 0  # len(sys.modules) when _freeze_imports last froze
+
+
+def _freeze_imports() -> None:
+    """Collection imports torch, Ray, joblib (and some tests import more): 300,000 objects that
+    every gc.collect() of no_leaks would walk again, 0.1-0.3 s each, several times per test.
+    They live for the session: once new modules were imported, collect, then move what is left
+    out of the collector's sight (gc.freeze). What a test allocates is still collected."""
+    global _modules_frozen
+    if len(sys.modules) != _modules_frozen:
+        gc.collect()
+        gc.freeze()
+        _modules_frozen = len(sys.modules)
 
 
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
@@ -89,6 +108,7 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
 def no_leaks():
     """Fail the test if it leaves fds, tensormp memfds, /dev/shm files or child processes."""
     gc.collect()
+    _freeze_imports()  # what an earlier test imported
     before_fds = _fds()
     before_shm = _shm_names()
     before_children = _children()
@@ -122,8 +142,16 @@ def no_leaks():
     wait_for(lambda: not new_fds(), 5.0)
     leaked = new_fds()
     assert not leaked, f"fds leaked by the test: {leaked}"
-    # Names a dead creator left are removed by the cleanup daemon within about a second.
-    wait_for(lambda: _shm_names() <= before_shm, 5.0)
+    # Names a dead creator left are removed by the cleanup daemon within about a second; ask
+    # it to collect now (the same collection, GC request) rather than wait for its next round.
+    def shm_back() -> bool:
+        if _shm_names() <= before_shm:
+            return True
+        _client.flush()
+        _client.request("GC")
+        return _shm_names() <= before_shm
+
+    wait_for(shm_back, 5.0, 0.05)
     assert _shm_names() <= before_shm, f"/dev/shm files leaked: {_shm_names() - before_shm}"
 
 

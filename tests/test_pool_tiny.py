@@ -275,3 +275,96 @@ def test_light_batches_mix_kinds_and_fail_task_by_task():
 
 def _echo(x):
     return x
+
+
+def _fill(out, i):
+    out[i] = i + 1
+    return i
+
+
+class _Filler:
+    def __init__(self, out):
+        self.out = out
+        self.calls = 0
+
+    def __call__(self, i):
+        self.out[i] = i + 1
+        return i
+
+    def count(self, i):
+        self.calls += 1  # a copy per task, as the stdlib: never more than 1
+        return self.calls
+
+
+@pytest.mark.timeout(90)
+def test_callables_holding_shared_arrays_with_light_arguments_write_through():
+    import functools
+
+    with mp.get_context("spawn").Pool(2) as pool:
+        for make in (lambda out: functools.partial(_fill, out), _Filler,
+                     lambda out: _Filler(out).__call__):
+            out = mp.zeros(64)
+            f = make(out)
+            assert [r.get(timeout=30) for r in [pool.apply_async(f, (i,)) for i in range(32)]] \
+                == list(range(32))
+            assert list(pool.imap(f, range(32, 48))) == list(range(32, 48))
+            assert pool.map(f, range(48, 64), chunksize=1) == list(range(48, 64))
+            assert out.tolist() == [float(i + 1) for i in range(64)]
+        # A callable's own state: a fresh copy for each task, as with the stdlib's Pool.
+        counter = _Filler(mp.zeros(1))
+        assert list(pool.imap(counter.count, range(40))) == [1] * 40
+        assert set(pool.map(counter, range(1), chunksize=1)) == {0}
+        assert [pool.apply(counter.count, (i,)) for i in range(5)] == [1] * 5
+
+
+@pytest.mark.timeout(120)
+def test_bound_methods_of_main_classes_keep_arrays_shared(tmp_path):
+    script = tmp_path / "methods.py"
+    script.write_text(
+        "import sys\n"
+        "import tensormp as mp\n"
+        "class Acc:\n"
+        "    def __init__(self):\n"
+        "        self.buf = mp.zeros(4)\n"
+        "    def fill(self, i, *rest):\n"
+        "        self.buf[i] = 7\n"
+        "        return mp.is_shared(self.buf)\n"
+        "if __name__ == '__main__':\n"
+        "    class Local:\n"  # not findable in a spawn child: goes by value (a copy)
+        "        def get(self, x):\n"
+        "            return x * 2\n"
+        "    ctx = mp.get_context('spawn')\n"
+        "    a = Acc()\n"
+        "    with ctx.Pool(2) as pool:\n"
+        "        assert pool.apply(a.fill, (0,))\n"
+        "        assert pool.map(a.fill, [1], chunksize=1) == [True]\n"
+        "        assert pool.apply(Local().get, (4,)) == 8\n"
+        "    with mp.ProcessPoolExecutor(2, mp_context=ctx) as ex:\n"
+        "        assert ex.submit(a.fill, 2).result(timeout=30)\n"
+        "    mp.spawn(a.fill, nprocs=1, start_method='spawn')\n"  # fill(rank=0): buf[0]\n"
+        "    p = ctx.Process(target=a.fill, args=(3,)); p.start(); p.join()\n"
+        "    assert a.buf.tolist() == [7.0] * 4, a.buf\n"
+        "    print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=100)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def _gives_four_then_raises():
+    yield from range(4)
+    raise RuntimeError("the iterable broke")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("what", ["imap", "imap_unordered"])
+def test_an_iterable_that_raises_comes_after_the_answers_before_it(what):
+    with mp.get_context("spawn").Pool(2) as pool:
+        got = []
+        it = getattr(pool, what)(_sleep, (0.05 * (i % 2) for i in _gives_four_then_raises()))
+        with pytest.raises(RuntimeError, match="the iterable broke"):
+            for x in it:
+                got.append(x)
+        assert sorted(got) == [0, 0, 0.05, 0.05]  # the stdlib's order too: answers first
+        with pytest.raises(StopIteration):
+            next(it)

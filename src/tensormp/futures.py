@@ -68,6 +68,12 @@ class BrokenExecutorError(BrokenPoolError, BrokenProcessPool):
 def _future_sink(future: Future[Any], ok: bool, value: Any) -> None:
     if future.done():
         return  # cancelled
+    original = getattr(value, "pickling_error", None) if not ok else None
+    if isinstance(original, BaseException):
+        # The result could not be pickled: concurrent.futures raises the pickling error itself
+        # (a TypeError, ...), not the Pool's MaybeEncodingError.
+        original.__cause__ = value.__cause__
+        value = original
     try:
         if ok:
             future.set_result(value)

@@ -55,7 +55,9 @@ import signal
 import socket
 import sys
 import time
+import types
 import warnings
+import weakref
 from collections.abc import Sequence
 from contextlib import contextmanager
 from multiprocessing import process as _mpprocess
@@ -704,6 +706,53 @@ def _defined_at_top_level(fn: Any) -> bool:
     return False
 
 
+def _bound_needs_value(fn: Any) -> bool:
+    """For a bound method of an object whose class belongs to ``__main__``: True when a child
+    that re-imports ``__main__`` would not find that class (defined inside a function or under
+    ``if __name__ == "__main__":``), so the method must go by value. Found as for functions:
+    the ``class`` line above the method's ``def`` starts at column 0 for a top-level class."""
+    owner = fn.__self__
+    cls = owner if isinstance(owner, type) else type(owner)
+    if cls.__module__ != "__main__":
+        return False
+    try:
+        known = _main_classes.get(cls)
+    except TypeError:
+        known = None
+    if known is None:
+        known = _main_class_needs_value(cls, fn)
+        try:
+            _main_classes[cls] = known
+        except TypeError:
+            pass
+    return known
+
+
+_main_classes: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
+def _main_class_needs_value(cls: type, fn: Any) -> bool:
+    name = cls.__name__
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    code = getattr(fn.__func__, "__code__", None)
+    if "<" in cls.__qualname__ or getattr(main, name, None) is not cls:
+        return True
+    if not path or code is None:
+        return False  # no source to look at: by reference, as the stdlib
+    try:
+        with open(path, "rb") as f:
+            lines = f.readlines()[: code.co_firstlineno]
+    except OSError:
+        return False
+    head = f"class {name}".encode()
+    for line in reversed(lines):
+        text = line.lstrip()
+        if text.startswith(head) and text[len(head) : len(head) + 1] in (b"(", b":", b" "):
+            return line[:1].isspace()
+    return False
+
+
 def _prepare_fn(fn: Any, method: str) -> Any:
     """``fn`` as the child gets it: itself (by reference), or :class:`_by_value.FnByValue`.
 
@@ -714,9 +763,13 @@ def _prepare_fn(fn: Any, method: str) -> Any:
         return fn  # inherited, not pickled
     qualname = getattr(fn, "__qualname__", "")
     module = getattr(fn, "__module__", None)
-    if not hasattr(fn, "__code__"):
-        return fn  # partial, bound method, callable object: pickled by reference (as torch)
-    if "<" not in qualname and (module != "__main__" or _defined_at_top_level(fn)):
+    if type(fn) is types.MethodType and _bound_needs_value(fn):
+        pass  # by value (below): its class cannot be found by name in the child
+    elif type(fn) is not types.FunctionType:
+        # partial, bound method (it forwards __code__), callable object: pickled by reference
+        # (as torch), its object with tensormp's reducers (arrays in it stay shared)
+        return fn
+    elif "<" not in qualname and (module != "__main__" or _defined_at_top_level(fn)):
         return fn
     try:
         import cloudpickle

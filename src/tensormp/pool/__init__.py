@@ -21,16 +21,21 @@ materialised.
 reducers just before it is sent: a numpy argument not yet in shared memory is copied once into
 a block of the parent's and the pickle holds a handle (~200 bytes). Usually the manager sends
 it; a single task submitted while a worker can take it at once is pickled and sent by the
-caller's own thread (``manager.py``, "Direct send": a thread hop less). A worker holds the task
+caller's own thread (``engines/local.py``, "Direct send": a thread hop less). A worker holds the task
 it runs and, while more tasks wait than there are workers, a few more queued in its socket so
 it need not wait for a round trip: one more when its calls take a millisecond or more or the
 task carries shared memory, up to 32 when its calls are tiny (about 2 ms of queued work, from
-the run times the worker reports; ``manager.py``, "Prefetch"). Tiny tasks the manager sends to
+the run times the worker reports; ``engines/local.py``, "Prefetch"). Tiny tasks the manager sends to
 one worker at once travel as one message (a batch), each still answered on its own. A worker
-runs its tasks one at a time, in the order sent. The function goes by reference when the
-workers can import it by name (as the stdlib); lambdas, local functions, functions defined
-under ``if __name__ == "__main__":`` and callables that plain pickle refuses go by value with
-cloudpickle (as ``tensormp.spawn``), unpickled once per worker.
+runs its tasks one at a time, in the order sent. In a batch, a task whose arguments are only
+scalars, ``str`` and ``bytes`` is not pickled on its own: it rides in the batch's one pickle,
+its callable pickled once per batch ("Light batches"). The callable goes by reference when the
+workers can import it by name (as the stdlib; a bound method pickles its object with tensormp's
+reducers, so arrays in it stay shared); lambdas, local functions, functions defined under
+``if __name__ == "__main__":``, methods of classes defined there and callables that plain
+pickle refuses go by value with cloudpickle (as ``tensormp.spawn``; arrays they hold are then
+copied). A plain function is unpickled once per worker (its globals live on between calls, as a
+module's in a stdlib worker); any other callable afresh for each task, as the stdlib's.
 
 **Results.** The worker answers ``(seq, ok, value)``: the value, or the exception with its
 traceback (``multiprocessing.pool``'s ``RemoteTraceback`` as ``__cause__``, as the stdlib).

@@ -3,7 +3,7 @@
 
 Both are :class:`tensormp.TensormpError` and ``RuntimeError``, and pickle with their
 attributes; ``tensormp.futures`` derives ``TerminatedWorkerError`` and ``BrokenExecutorError``
-from them. ``manager.py`` raises them and writes their messages.
+from them. ``engines/local.py`` and ``engines/ray.py`` raise them and writes their messages.
 
 Their ``__module__`` is the public ``tensormp.pool``, as before the package split: pickles
 record that path (and load with older and newer versions), and tracebacks show it.

@@ -81,7 +81,7 @@ def _feed(
             engine.submit(tasks, feeder=True)
             del tasks, chunk
     except BaseException as e:  # noqa: BLE001 - the iterable raised, or the pool broke
-        result._set(index, False, e)
+        result._fail_feed(index, e)
         index += 1
     finally:
         result._set_length(index)

@@ -187,6 +187,8 @@ class IMapIterator:
         self._current: Iterator[Any] | None = None
         self._reporter = reporter
         self._yielded = 0
+        self._arrived = 0  # chunks whose answer came (imap_unordered)
+        self._feed_error: tuple[int, BaseException] | None = None  # waits for those before it
 
     def __iter__(self) -> IMapIterator:
         return self
@@ -229,7 +231,25 @@ class IMapIterator:
                     self._next_chunk += 1
             else:
                 self._ready.append((ok, value))
+                self._arrived += 1
+                if self._feed_error is not None and self._arrived == self._feed_error[0]:
+                    self._ready.append((False, self._feed_error[1]))
+                    self._feed_error = None
             self._cond.notify()
+
+    def _fail_feed(self, index: int, error: BaseException) -> None:
+        """The iterable raised (or the pool broke) after ``index`` chunks were submitted. In
+        order (imap) the error takes chunk ``index``'s place; unordered, it comes after the
+        answers of the chunks submitted before it (as the stdlib's, whose feeder is ahead)."""
+        if self._ordered:
+            self._set(index, False, error)
+            return
+        with self._cond:
+            if self._arrived >= index:
+                self._ready.append((False, error))
+                self._cond.notify()
+            else:
+                self._feed_error = (index, error)
 
     def _set_length(self, nchunks: int) -> None:
         with self._cond:

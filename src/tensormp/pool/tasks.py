@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pickle
 import reprlib
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -23,8 +24,15 @@ _top_level: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 def _needs_value(fn: Any) -> bool:
     """True when workers cannot import ``fn`` by name (see ``spawn._defined_at_top_level``)."""
-    if getattr(fn, "__code__", None) is None:
-        return False  # builtin, partial, bound method, callable object: by reference first
+    if type(fn) is types.MethodType:
+        # By reference, as the stdlib: its object is pickled with our reducers (arrays in it
+        # stay shared). By value (a copy of everything it holds) only when the workers could not
+        # find its class by name.
+        from ..spawn import _bound_needs_value
+
+        return _bound_needs_value(fn)
+    if type(fn) is not types.FunctionType:
+        return False  # builtin, partial, callable object: by reference first, as the stdlib
     if "<" in getattr(fn, "__qualname__", "<"):
         return True  # lambda or local function
     if getattr(fn, "__module__", None) != "__main__":

@@ -18,7 +18,7 @@ What crosses the worker's ``Connection`` (pickled with tensormp's reducers):
 * worker -> parent: ``(_READY, pid)`` once the initializer ran; ``(_INIT_ERROR, exc)`` when it
   raised (then exit code 1); ``(_RESULT, seq, ok, value, seconds)`` for each task, in order
   (``seq`` is None when the task could not be received or unpickled; ``seconds``: how long the
-  call ran, which sets how many tasks the parent queues ahead, ``manager.py`` "Prefetch");
+  call ran, which sets how many tasks the parent queues ahead, ``engines/local.py`` "Prefetch");
   ``(_DYING, seq, traceback)`` just before a ``BaseException`` (``SystemExit``...) raised by a
   task ends the worker.
 
@@ -36,12 +36,14 @@ import os
 import reprlib
 import signal
 import sys
+import types
 from time import perf_counter
 from typing import Any
 
 from .. import reducers
 from .._by_value import FnByValue
 from ..errors import FdLimitError
+from .tasks import _pickles
 
 _CALL, _MAP, _STARMAP = 0, 1, 2  # task kinds
 _READY, _INIT_ERROR, _RESULT, _DYING = 0, 1, 2, 3  # worker -> parent message tags
@@ -108,15 +110,30 @@ def _send_quietly(conn: Any, obj: Any) -> None:
         pass
 
 
+def _stateless(fn: Any) -> bool:
+    """Whether unpickling ``fn`` again would give the same object (a function, builtin or
+    class found by name), so one loaded copy can serve many tasks. A callable object, bound
+    method or partial is unpickled afresh for each task instead, as the stdlib does: what one
+    call changes in it is not seen by the next."""
+    return type(fn) in _STATELESS or isinstance(fn, type)
+
+
+_STATELESS = (types.FunctionType, types.BuiltinFunctionType, FnByValue)
+
+
 def _load_fn(fn: Any, cache: dict[bytes, Any]) -> Any:
+    """The callable of a task: ``fn`` itself, or a :class:`FnByValue` loaded. A function sent
+    by value is loaded once per worker (its globals then live on between calls, as a module's
+    do in a stdlib worker); any other callable sent by value is loaded afresh for each task."""
     if not isinstance(fn, FnByValue):
         return fn
     loaded = cache.get(fn.data)
     if loaded is None:
         loaded = fn.load()
-        if len(cache) >= _FN_CACHE:
-            cache.pop(next(iter(cache)))
-        cache[fn.data] = loaded
+        if type(loaded) is types.FunctionType:
+            if len(cache) >= _FN_CACHE:
+                cache.pop(next(iter(cache)))
+            cache[fn.data] = loaded
     return loaded
 
 
@@ -186,11 +203,15 @@ def _worker_main(
                 fn = batch_fns[i]
                 if type(fn) is bytes:
                     try:
-                        fn = batch_fns[i] = reducers.loads(fn, [])
+                        fn = reducers.loads(fn, [])
                     except Exception as e:
                         if hasattr(e, "add_note"):
                             e.add_note("(unpickling the task's callable in the pool worker)")
                         fn = batch_fns[i] = _LoadFailed(_wrap(e))
+                    else:
+                        if _stateless(fn):  # the same object whenever it is unpickled
+                            batch_fns[i] = fn
+                        # else each task gets its own copy of the callable, as the stdlib's
                 if type(fn) is _LoadFailed:
                     reply = (_RESULT, seq, False, fn.error, 0.0)
                 else:
@@ -236,6 +257,10 @@ def _worker_main(
             )
 
             short = _Repr(reprlib.repr(reply[3]))
-            conn.send((_RESULT, reply[1], False, _wrap(MaybeEncodingError(e, short)), reply[4]))
+            error = MaybeEncodingError(e, short)
+            # The pickling error itself travels too (in the instance's __dict__), when it can:
+            # the executor raises it, as concurrent.futures does.
+            error.pickling_error = e if _pickles(e) else None
+            conn.send((_RESULT, reply[1], False, _wrap(error), reply[4]))
         reply = None
         done += 1

@@ -37,7 +37,7 @@ our shared memory (pinned while queued) or are large are queued at most one deep
 *Light batches.* Small fd-less tasks bound for one worker in one round go as one message. A
 *light* task (arguments only scalars, ``str``, ``bytes``: ``tasks._light_size``) is not
 pickled on its own: its tuple goes in the batch's single pickle and its callable is pickled
-once per batch (``_batch_message``; the worker loads it once). That cuts the CPU per tiny
+once per batch (``_messages``). That cuts the CPU per tiny
 ``imap`` task (parent and worker) by about a third: one ``dumps``/``loads`` per batch, not
 per task.
 
@@ -688,23 +688,23 @@ class _Engine(QueueEngine):
         return task.msg
 
     def _send_tasks(self, w: _Worker, tasks: list[_Task]) -> None:
-        """Send ``tasks`` to ``w``: one message, or a batch of fd-less ones (pickled already,
-        or light: see ``_light_size``)."""
-        if len(tasks) == 1:
-            msg = self._pickle(tasks[0])
-            if msg is None:  # it could not be pickled: failed already
+        """Send ``tasks`` to ``w``, in order: batches of fd-less ones (pickled already, or
+        light: see ``_light_size``), and each task carrying fds or our blocks on its own."""
+        groups = self._messages(tasks)
+        for k, (msg, group) in enumerate(groups):
+            if not self._send_group(w, msg, group):
+                rest = [t for _, later in groups[k + 1:] for t in later]
+                for task in rest:
+                    if task.msg is not None:
+                        task.msg.abandon()  # never sent: its copies and holds go
+                    task.msg = None
+                with self._lock:
+                    self._pending.extendleft(reversed(rest))
                 return
-        else:
-            heavy = tasks[-1].msg
-            if heavy is not None and (heavy.fds or heavy.noted):  # a batch, then that one
-                self._send_tasks(w, tasks[:-1])
-                self._send_tasks(w, tasks[-1:])
-                return
-            batch = self._batch_message(tasks)
-            if batch is None:
-                return
-            msg, tasks = batch
-        assert msg is not None
+
+    def _send_group(self, w: _Worker, msg: reducers.Message, tasks: list[_Task]) -> bool:
+        """Send one message carrying ``tasks``; False when ``w``'s channel failed (``tasks``
+        are queued again, to be pickled anew)."""
         if msg.noted:
             # The worker holds one handle to each of our blocks in the message (it sends no
             # hold records for them: see worker._worker_main). Registered before it can release
@@ -727,27 +727,30 @@ class _Engine(QueueEngine):
             with self._lock:
                 self._pending.extendleft(reversed(tasks))
             self._channel_closed(w)
-            return
+            return False
         if self._maxtasks is not None and w.assigned >= self._maxtasks:
             w.retiring = True  # it exits after this task: start its successor now
             self._replenish()
+        return True
 
-    def _batch_message(
-        self, tasks: list[_Task]
-    ) -> tuple[reducers.Message, list[_Task]] | None:
-        """One message for a batch (see worker.py): ``[fns, item, item...]``, an item being a
-        task's own pickle (bytes) or, for a light task (``_light_size``), the tuple
-        ``(seq, i, kind, args)`` where ``fns[i]`` is the pickle of its callable, made once per
-        batch. A light task whose callable cannot be pickled so (plain pickle refuses it, or it
-        carries arrays) is pickled on its own, as any other; one that cannot be pickled at all
-        is failed and left out. Returns the message and the tasks it carries, or None when
-        none is left."""
+    def _messages(self, tasks: list[_Task]) -> list[tuple[reducers.Message, list[_Task]]]:
+        """The messages that carry ``tasks``, in order, and the tasks each carries.
+
+        A task whose pickle carries fds or our blocks goes alone. The others go together as
+        one batch (see worker.py): ``[fns, item, item...]``, an item being a task's own pickle
+        (bytes) or, for a light task (``_light_size``), the tuple ``(seq, i, kind, args)``
+        where ``fns[i]`` is the pickle of its callable, made once per batch (the worker loads
+        it once per task, as the stdlib, unless it is a plain function). A light task whose
+        callable cannot be pickled so (plain pickle refuses it, or it holds arrays) is pickled
+        on its own, as any other; a task that cannot be pickled at all fails and is left out.
+        """
+        out: list[tuple[reducers.Message, list[_Task]]] = []
         fns: list[bytes] = []
         index: dict[int, int] = {}
         items: list[Any] = [fns]
-        carried = []
+        carried: list[_Task] = []
         for t in tasks:
-            if t.msg is None:
+            if t.msg is None and len(tasks) > 1:
                 i = index.get(id(t.fn), -1)
                 if i < 0:
                     try:
@@ -763,13 +766,23 @@ class _Engine(QueueEngine):
                     items.append((t.seq, i, t.kind, t.args))
                     carried.append(t)
                     continue
-                if self._pickle(t) is None:  # failed (delivered): left out
-                    continue
-            items.append(t.msg.data)  # type: ignore[union-attr]
+            msg = self._pickle(t)
+            if msg is None:  # failed (delivered): left out
+                continue
+            if msg.fds or msg.noted:  # alone, after what came before it
+                if carried:
+                    out.append((reducers.dumps(items), carried))
+                    fns, index, carried = [], {}, []
+                    items = [fns]
+                out.append((msg, [t]))
+                continue
+            items.append(msg.data)
             carried.append(t)
-        if not carried:
-            return None
-        return reducers.dumps(items), carried
+        if len(carried) == 1 and carried[0].msg is not None:
+            out.append((carried[0].msg, carried))  # one task: its own pickle, no batch
+        elif carried:
+            out.append((reducers.dumps(items), carried))
+        return out
 
     def _closing_done(self) -> bool:
         """close(): once every task is done, stop the workers; True when all have exited."""
