@@ -5,7 +5,9 @@ Design note
 **Children never outlive their parent** (unless told to). Every tensormp ``Process`` (and so
 every ``Pool`` and executor worker, and every ``spawn()`` rank) runs :func:`at_bootstrap` first
 thing in ``Process._bootstrap``, in the child, before the target. It arms two independent kernel
-mechanisms; neither needs a thread, the GIL or any cooperation from the parent:
+mechanisms; neither needs a thread, the GIL or any cooperation from the parent (under spawn
+and forkserver, :func:`before_arguments` already sets the second and checks the parent while
+the process object is unpickled, before its arguments, whose imports can take seconds):
 
 1. *Watchdog on the logical parent.* Every stdlib start method hands the child a
    ``parent_sentinel``: the read end of a pipe whose write end the parent holds until the
@@ -57,7 +59,7 @@ import signal
 import threading
 from typing import Any
 
-__all__ = ["before_start", "at_bootstrap", "arm_pdeathsig"]
+__all__ = ["before_start", "before_arguments", "at_bootstrap", "arm_pdeathsig"]
 
 _PR_SET_PDEATHSIG = 1
 _F_SETSIG = getattr(fcntl, "F_SETSIG", 10)  # Linux value; the fcntl module has it on glibc
@@ -105,6 +107,31 @@ def at_bootstrap(process: Any, parent_sentinel: int | None) -> None:
             _watch_parent(parent_sentinel)
         except OSError:
             pass
+
+
+def before_arguments(settings: dict[str, Any], parent_pid: int) -> None:
+    """Child side, ``spawn``/``forkserver``: as soon as the process object is being rebuilt,
+    before its arguments are (which may import numpy or torch: seconds when many children
+    start at once). A child whose parent dies in that window would otherwise run on until
+    :func:`at_bootstrap`. ``settings`` carries what :func:`before_start` recorded; the watchdog
+    waits for :func:`at_bootstrap` (the sentinel is not known yet), ``PR_SET_PDEATHSIG`` and the
+    parent checks do not."""
+    if not settings.get("die_with_parent", False):
+        return
+    if settings.get("method") == "spawn":
+        if settings.get("main_thread", False):
+            _set_pdeathsig(_PARENT_DEATH_SIGNAL)
+        gone = os.getppid() != parent_pid
+    else:  # forkserver: our real parent is the server; look at the logical one
+        try:
+            os.kill(parent_pid, 0)
+            gone = False
+        except ProcessLookupError:
+            gone = True
+        except OSError:
+            gone = False
+    if gone and parent_pid:
+        os.kill(os.getpid(), _PARENT_DEATH_SIGNAL)
 
 
 def arm_pdeathsig() -> None:

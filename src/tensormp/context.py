@@ -121,7 +121,14 @@ class _ProcessMixin:
         self.__dict__["_tensormp_keepalive"] = msg.keepalive
         self.__dict__["_tensormp_noted"] = msg.noted
         msg.sent()  # the child rebuilds (and later releases) these handles
-        return _rebuild_process, (type(self), msg.data, fds, os.getpid(), _settings())
+        settings = _settings()
+        state = self.__dict__  # what _parent_death.before_start recorded
+        settings.update(
+            die_with_parent=state.get("_tensormp_die_with_parent", False),
+            method=state.get("_tensormp_method"),
+            main_thread=state.get("_tensormp_main_thread", False),
+        )
+        return _rebuild_process, (type(self), msg.data, fds, os.getpid(), settings)
 
     def start(self) -> None:
         _parent_death.before_start(self)
@@ -169,6 +176,7 @@ def _rebuild_process(
     cls: type, data: bytes, fds: list[Any], parent_pid: int = 0, settings: Any = None
 ) -> Any:
     if settings is not None:
+        _parent_death.before_arguments(settings, parent_pid)
         _apply_settings(settings)
     # Handles to the parent's own blocks are registered by the parent at start(): no hold
     # records for those (reducers.numpy reads parent_pid); others are announced at once.
