@@ -368,3 +368,45 @@ def test_an_iterable_that_raises_comes_after_the_answers_before_it(what):
         assert sorted(got) == [0, 0, 0.05, 0.05]  # the stdlib's order too: answers first
         with pytest.raises(StopIteration):
             next(it)
+
+
+@pytest.mark.timeout(120)
+def test_under_fork_callables_of_main_go_by_reference_and_keep_arrays_shared(tmp_path):
+    # Workers forked from the parent know __main__ as it was: what the stdlib does works (no
+    # copy by value of what the callable holds).
+    script = tmp_path / "forked.py"
+    script.write_text(
+        "import tensormp as mp\n"
+        "G = {}\n"
+        "def setup(a):\n"
+        "    G['a'] = a\n"
+        "def use_global(i):\n"
+        "    G['a'][i] += 1\n"
+        "    return 0\n"
+        "if __name__ == '__main__':\n"
+        "    class Acc:\n"
+        "        def __init__(self):\n"
+        "            self.buf = mp.zeros(4)\n"
+        "        def fill(self, i):\n"
+        "            self.buf[i] = 7\n"
+        "            return i\n"
+        "    A = mp.zeros(4)\n"
+        "    def inc(i):\n"
+        "        A[i] += 1\n"
+        "        return i\n"
+        "    ctx = mp.get_context('fork')\n"
+        "    acc, shared = Acc(), mp.zeros(4)\n"
+        "    with ctx.Pool(2, initializer=lambda: setup(shared)) as pool:\n"
+        "        assert pool.map(acc.fill, range(4)) == [0, 1, 2, 3]\n"
+        "        assert sorted(pool.imap_unordered(inc, range(4))) == [0, 1, 2, 3]\n"
+        "        assert pool.map(use_global, range(4)) == [0] * 4\n"
+        "    with mp.ProcessPoolExecutor(2, mp_context=ctx) as ex:\n"
+        "        assert list(ex.map(inc, range(4))) == [0, 1, 2, 3]\n"
+        "    assert acc.buf.tolist() == [7.0] * 4, acc.buf\n"
+        "    assert A.tolist() == [2.0] * 4, A\n"
+        "    assert shared.tolist() == [1.0] * 4, shared\n"
+        "    print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=100)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

@@ -154,7 +154,11 @@ class ProcessPoolExecutor(Executor):
                 f"initargs must be a tuple, got {type(initargs).__name__}; for one argument "
                 "write initargs=(x,)"
             )
-        init = None if initializer is None else _prepare(initializer, "initializer").wire
+        # As tensormp.Pool: workers forked from us know __main__ (callables by reference first).
+        self._inherited = engine == "local" and ctx.get_start_method() == "fork"
+        init = None if initializer is None else _prepare(
+            initializer, "initializer", inherited=self._inherited
+        ).wire
         self._shutdown_lock = threading.Lock()
         self._shutdown_thread = False
         config = EngineConfig(
@@ -187,7 +191,7 @@ class ProcessPoolExecutor(Executor):
         """
         with self._shutdown_lock:
             self._check()
-            ref = _prepare(fn, "fn")
+            ref = _prepare(fn, "fn", inherited=self._inherited)
             future: Future[Any] = Future()
             task = _Task(
                 ref, _CALL, (args, kwargs), functools.partial(_future_sink, future),
@@ -226,7 +230,7 @@ class ProcessPoolExecutor(Executor):
         items = zip(*iterables)
         with self._shutdown_lock:
             self._check()
-            ref = _prepare(fn, "fn")
+            ref = _prepare(fn, "fn", inherited=self._inherited)
             futures: list[Future[Any]] = []
             tasks = []
             first = 0

@@ -174,7 +174,12 @@ class Pool:
                 f"initargs must be a tuple, got {type(initargs).__name__}; for one argument "
                 "write initargs=(x,)"
             )
-        init = None if initializer is None else _prepare(initializer, "initializer").wire
+        # Workers forked from us (nothing pickled for them at start: their initializer is
+        # inherited, whatever it is) know __main__: callables go by reference first.
+        self._inherited = engine == "local" and ctx.get_start_method() == "fork"
+        init = None if initializer is None else _prepare(
+            initializer, "initializer", inherited=self._inherited
+        ).wire
         config = EngineConfig(
             processes=processes, initializer=init, initargs=tuple(initargs),
             maxtasks=maxtasksperchild, owner="tensormp.Pool", lost_error=WorkerLostError,
@@ -220,7 +225,7 @@ class Pool:
         self, func: Any, args: Any, kwds: Any, callback: Any, error_callback: Any, what: str
     ) -> AsyncResult:
         self._engine.check_running()
-        fn = _prepare(func)
+        fn = _prepare(func, inherited=self._inherited)
         if not isinstance(args, (tuple, list)):
             raise TypeError(
                 f"args must be a tuple of arguments for func(*args), got {type(args).__name__};"
@@ -299,7 +304,7 @@ class Pool:
         error_callback: Any, what: str,
     ) -> MapResult:
         self._engine.check_running()
-        fn = _prepare(func)
+        fn = _prepare(func, inherited=self._inherited)
         _check_callbacks(callback, error_callback)
         items = list(iterable)
         n = len(items)
@@ -342,7 +347,7 @@ class Pool:
         self, func: Any, iterable: Any, chunksize: Any, progress: Any, ordered: bool, what: str
     ) -> IMapIterator:
         self._engine.check_running()
-        fn = _prepare(func)
+        fn = _prepare(func, inherited=self._inherited)
         _check_chunksize(chunksize)
         want = _Progress.check(progress)
         items = iter(iterable)

@@ -88,11 +88,15 @@ class _Fn:
         self.wire = FnByValue(cloudpickle.dumps(self.fn), f"{module}.{self.name}")
 
 
-def _prepare(fn: Any, what: str = "func") -> _Fn:
+def _prepare(fn: Any, what: str = "func", *, inherited: bool = False) -> _Fn:
+    """``fn`` as it will travel. ``inherited``: the workers are forked from this process (the
+    local engine under ``fork``), so they have ``__main__`` as it is now: everything goes by
+    reference first, as with the stdlib (arrays it holds stay shared), and by value only if
+    plain pickle refuses it (a lambda, a local function)."""
     if not callable(fn):
         raise TypeError(f"{what} must be callable, got {type(fn).__name__}: {reprlib.repr(fn)}")
     ref = _Fn(fn, what)
-    if _needs_value(fn):
+    if not inherited and _needs_value(fn):
         ref.to_value()
     return ref
 
