@@ -232,6 +232,13 @@ def test_random_sigkills_with_tiny_tasks_from_threads_never_hang_or_mix_up():
         assert pool.map(_inc, range(100)) == list(range(1, 101))
 
 
+def _prints_ok(script):
+    """Run ``script`` as a main module (what goes by reference depends on __main__)."""
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=100)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
 def _refuse_to_load():
     raise LookupError("this callable cannot be loaded in a worker")
 
@@ -346,9 +353,7 @@ def test_bound_methods_of_main_classes_keep_arrays_shared(tmp_path):
         "    assert a.buf.tolist() == [7.0] * 4, a.buf\n"
         "    print('ok')\n"
     )
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=100)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    _prints_ok(script)
 
 
 def _gives_four_then_raises():
@@ -407,6 +412,4 @@ def test_under_fork_callables_of_main_go_by_reference_and_keep_arrays_shared(tmp
         "    assert shared.tolist() == [1.0] * 4, shared\n"
         "    print('ok')\n"
     )
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=100)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    _prints_ok(script)
