@@ -691,19 +691,28 @@ def _defined_at_top_level(fn: Any) -> bool:
     indentation: a top-level ``def`` starts at column 0. Anything else goes by value.
     """
     main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
     name = getattr(fn, "__name__", None)
     code = getattr(fn, "__code__", None)
-    if not path or name is None or code is None or getattr(main, name, None) is not fn:
+    if name is None or code is None or getattr(main, name, None) is not fn:
         return False
+    lines = _main_source(code.co_firstlineno)
+    if len(lines) < code.co_firstlineno:
+        return False
+    line = lines[-1]
+    return bool(line.strip()) and not line[:1].isspace()
+
+
+def _main_source(upto: int) -> list[bytes]:
+    """The first ``upto`` lines of the main module's file ([] when it has none, or it cannot
+    be read)."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not path:
+        return []
     try:
         with open(path, "rb") as f:
-            for lineno, line in enumerate(f, 1):
-                if lineno == code.co_firstlineno:
-                    return bool(line.strip()) and not line[:1].isspace()
+            return [line for _, line in zip(range(upto), f)]
     except OSError:
-        pass
-    return False
+        return []
 
 
 def _bound_needs_value(fn: Any) -> bool:
@@ -733,18 +742,11 @@ _main_classes: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary
 
 def _main_class_needs_value(cls: type, fn: Any) -> bool:
     name = cls.__name__
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
     code = getattr(fn.__func__, "__code__", None)
-    if "<" in cls.__qualname__ or getattr(main, name, None) is not cls:
+    if "<" in cls.__qualname__ or getattr(sys.modules.get("__main__"), name, None) is not cls:
         return True
-    if not path or code is None:
-        return False  # no source to look at: by reference, as the stdlib
-    try:
-        with open(path, "rb") as f:
-            lines = f.readlines()[: code.co_firstlineno]
-    except OSError:
-        return False
+    # No source to look at: by reference, as the stdlib.
+    lines = _main_source(code.co_firstlineno) if code is not None else []
     head = f"class {name}".encode()
     for line in reversed(lines):
         text = line.lstrip()
