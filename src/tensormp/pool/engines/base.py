@@ -44,6 +44,7 @@ class QueueEngine:
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # feeders wait here for the deque to drain
         self._room_limit = 4 * self.processes + 4
+        self._room_waiters = 0  # feeders waiting in wait_room (an engine may notify only then)
         self._pending: collections.deque[_Task] = collections.deque()
         self._state = _RUN
         self._broken_msg: str | None = None
@@ -133,7 +134,11 @@ class QueueEngine:
                 and self._state != _TERMINATE
                 and self._broken_msg is None
             ):
-                self._room.wait()
+                self._room_waiters += 1
+                try:
+                    self._room.wait()
+                finally:
+                    self._room_waiters -= 1
             if self._state == _TERMINATE:
                 return 0
             return max(1, self._room_limit - len(self._pending))

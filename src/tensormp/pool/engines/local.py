@@ -261,24 +261,6 @@ class _Engine(QueueEngine):
             return None
         return best
 
-    def wait_room(self) -> int:
-        """A feeder waits until few tasks are queued: how many more it may queue now (at least
-        1), or 0 when the pool was terminated."""
-        with self._room:
-            while (
-                len(self._pending) >= self._room_limit
-                and self._state != _TERMINATE
-                and self._broken_msg is None
-            ):
-                self._room_waiters += 1
-                try:
-                    self._room.wait()
-                finally:
-                    self._room_waiters -= 1
-            if self._state == _TERMINATE:
-                return 0
-            return max(1, self._room_limit - len(self._pending))
-
     def _wake_locked(self) -> None:
         if not self._woken and self._wake_fd >= 0:
             self._woken = True
