@@ -2,10 +2,10 @@
 
 A victim process arms a kill point (``tensormp._testhooks``) and SIGKILLs itself right before,
 between or after the syscalls of a put/get/send/recv. The test then checks the delivery rule
-(README, ``queues.py``): every message arrives whole and at most once, and the only one lost
-is the message the victim was writing (not yet sent) or reading (already taken); a bounded
-queue has all its slots back; and the survivors exchange 1,000 more items, each checked. The
-conftest leak fixture checks that no fd, memfd, /dev/shm file or process is left.
+(docs/guarantees.md, ``queues.py``): every message arrives whole and at most once, and the only
+one lost is the message the victim was writing (not yet sent) or reading (already taken); a
+bounded queue has all its slots back; and the survivors exchange 1,000 more items, each checked.
+The conftest leak fixture checks that no fd, memfd, /dev/shm file or process is left.
 
 The matrix runs under fork (fast), alternating the sharing strategy; a few cases run under
 spawn and forkserver. The soak (2 producers, 2 consumers, random SIGKILLs for a minute) is
@@ -138,7 +138,8 @@ def _dead(p, timeout=30.0) -> None:
 
 # Under file_system, a sender tells the cleanup daemon that a message is in flight before it
 # writes it, and a receiver tells it (asynchronously) once the arrays are mapped: a process
-# killed in between keeps the file until the program ends (strategies/file_system.py; README).
+# killed in between keeps the file until the program ends (strategies/file_system.py;
+# docs/guarantees.md).
 # Those points run under file_descriptor only, the others under both strategies in turn.
 _FS_PINS = {"put.begin", "put.tokens", "send.payload", "send.bag", "recv.got", "recv.payload",
             "recv.loaded", "recv.done"}

@@ -1,8 +1,9 @@
 """``import tensormp as mp`` in place of ``multiprocessing`` or ``torch.multiprocessing``: the
 start method is the stdlib's and reaches children as the stdlib's does, contexts carry the
 stdlib's class names, warnings use the stdlib's words, and each deliberate difference listed in
-the README ("Differences from the stdlib and from torch") behaves as documented. Real processes
-throughout; the start-method cases run in a fresh interpreter, since the method is per program."""
+docs/differences.md ("Differences from the stdlib and from torch") behaves as documented. Real
+processes throughout; the start-method cases run in a fresh interpreter, since the method is per
+program."""
 
 from __future__ import annotations
 
@@ -198,7 +199,7 @@ def test_die_with_parent_is_checked_and_fixed_at_start():
     assert p.exitcode == 0
 
 
-# -- deliberate differences from torch (README) ------------------------------------------------
+# -- deliberate differences from torch (docs/differences.md) -----------------------------------
 
 
 def test_torch_private_helpers_are_not_provided():

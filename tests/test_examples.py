@@ -92,7 +92,7 @@ def test_hogwild_worker_failure_ends_the_run_with_its_traceback(digits):
 
 # Slow (10-25 s on 2 cores: every worker imports torch): torch Hogwild across two workers to 90 %
 # stays in the default suite through test_torch.py's shared-Adam run, the per-worker SGD over a
-# shared module through README.md's Hogwild block (test_readme.py).
+# shared module through docs/torch.md's Hogwild block (test_readme.py).
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_hogwild_torch_two_workers_reach_90_percent(digits):

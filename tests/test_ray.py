@@ -297,7 +297,7 @@ if IN_NETNS:
             assert seen[-1] == 8
             assert "engine=ray" in repr(pool)
 
-            # arrays: through the object store, read-only on arrival (README)
+            # arrays: through the object store, read-only on arrival (docs/beyond-one-machine.md)
             arrays = [np.full(1 << 18, i, dtype=np.float32) for i in range(8)]  # 1 MiB each
             out = pool.map(double, arrays, chunksize=1)
             for i, o in enumerate(out):
