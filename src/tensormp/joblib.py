@@ -437,7 +437,14 @@ def _in_new_thread(fn: Callable[[], Pool]) -> Pool:
 
     thread = threading.Thread(target=run, name="tensormp.joblib pool start")
     thread.start()
-    thread.join()
+    try:
+        thread.join()
+    except BaseException:  # Ctrl-C while the workers start: stop them, then give it back
+        thread.join()
+        if out and out[0][0]:
+            out[0][1].terminate()
+            out[0][1].join()
+        raise
     ok, value = out[0]
     if not ok:
         raise value
