@@ -15,7 +15,7 @@ Design note
 **Engine.** The backend runs joblib's batches on a public :class:`tensormp.Pool`
 (``apply_async`` with callbacks), and nothing below it. As loky's reusable executor, one pool
 is kept between ``Parallel`` calls (sklearn makes many) and reused while ``n_jobs``, the start
-method and the worker environment are the same; it is closed once idle for
+method, the worker environment and the initializer are the same; it is closed once idle for
 ``idle_worker_timeout`` seconds (300, as loky), by :func:`shutdown`, or at interpreter exit. A
 ``Parallel`` call that needs another shape while the shared pool is busy with another call gets
 a private pool, closed at the end of that call. A process forked from one that holds the
@@ -40,11 +40,22 @@ arrays over as read-only memory maps of a temporary file and small ones as copie
 into an argument that was not already shared memory changes the worker's shared copy, not the
 caller's array, while a write into an argument made with ``tensormp.empty/zeros/...`` or
 ``tensormp.share`` is seen by the caller. ``max_nbytes``, ``mmap_mode`` and ``temp_folder`` are
-ignored: nothing is written to disk.
+ignored: nothing is written to disk. Tensors follow the arrays' rule, not torch's (which moves a
+tensor's storage into shared memory when it is sent): the batch is sent marked
+:func:`tensormp.reducers.copy_private`, so an ordinary tensor crosses as a copy, and the
+caller's stays as it was (as under loky); only memory shared on purpose is written through.
+
+**Workers.** ``initializer``/``initargs`` given to ``Parallel`` or ``parallel_config`` run in
+each worker after the thread limits below (:class:`_WorkerInit`); they are part of what the
+kept pool must match. A pool forked while this thread handles an exception (joblib's
+``abort_everything`` runs in its ``except`` block) is started from a new thread, so its workers
+do not inherit that exception as the ``__context__`` of their own.
 
 **Failures.** A task that raises: the exception reaches the caller with the worker's traceback
-as ``__cause__``, and joblib aborts the remaining batches. A worker that dies (a signal, the
-OOM killer, ``os._exit``, a crash in native code): its batch fails with
+as ``__cause__``, and joblib aborts the remaining batches. A batch that could not be pickled
+fails with ``pickle.PicklingError`` (loky's message), its cause the object's own error. A
+worker that dies (a signal, the OOM killer, ``os._exit``, a crash in native code, a task's
+``KeyboardInterrupt``): its batch fails with
 :class:`TerminatedWorkerError`, which is both loky's ``TerminatedWorkerError`` (what joblib's
 default backend raises, a ``BrokenProcessPool``) and ``tensormp.TerminatedWorkerError`` (pid,
 exit code, signal name, the task; ``__cause__``: the worker's Python stack when known). joblib
@@ -54,7 +65,8 @@ loky kills its workers) so the batches still running stop; the next call starts 
 **Threads and nesting.** As loky, workers limit the thread pools of OpenMP, OpenBLAS, MKL...
 to ``cpu_count() // n_jobs`` threads (environment variables set before the libraries load;
 under ``fork``, where they are already loaded, through threadpoolctl when it is installed), and
-a ``Parallel`` call inside a task runs in threads (joblib's nested backend).
+a ``Parallel`` call inside a task runs in threads (joblib's nested backend); one naming a
+process backend runs sequentially (the workers are daemonic, as the stdlib ``Pool``'s).
 """
 
 from __future__ import annotations
@@ -67,6 +79,7 @@ import threading
 import types
 import warnings
 from collections.abc import Callable
+from multiprocessing.pool import RemoteTraceback  # type: ignore[attr-defined]  # not in typeshed
 from typing import Any
 
 try:
@@ -90,6 +103,8 @@ except ImportError as _e:  # pragma: no cover - exercised without joblib only
 import tensormp
 from tensormp.futures import TerminatedWorkerError as _TensormpTerminatedWorkerError
 from tensormp.pool import Pool, WorkerLostError
+from tensormp.pool.tasks import _initargs
+from tensormp.reducers import copy_private
 
 __all__ = ["TensormpBackend", "TerminatedWorkerError", "register", "shutdown"]
 
@@ -226,6 +241,11 @@ def _needs_value(fn: Any) -> bool:
     return not _pickles(fn)
 
 
+def _wire_fn(fn: Any) -> Any:
+    """``fn`` as it travels: itself, or by value when workers may not import it by name."""
+    return _by_value(fn, True) if fn is not None and _needs_value(fn) else fn
+
+
 class _Functions:
     """The wire form of each function of one ``Parallel`` call, decided once per function."""
 
@@ -241,7 +261,7 @@ class _Functions:
         if hit is not None and hit[0] is fn:
             self._last = hit
             return hit[1]
-        wire = _by_value(fn, True) if _needs_value(fn) else fn
+        wire = _wire_fn(fn)
         if len(self._seen) > 1024:
             self._seen.clear()
         self._seen[id(fn)] = self._last = (fn, wire)
@@ -273,19 +293,41 @@ def _run_call(fn: Callable[[], Any]) -> Any:
     return _wire(fn())
 
 
-def _init_worker(env: dict[str, str]) -> None:
-    """Worker initializer: limit native thread pools, as loky does for its workers."""
-    os.environ.update(env)
-    if "numpy" in sys.modules:  # fork: the libraries are loaded already
-        try:
-            from threadpoolctl import threadpool_limits
-        except ImportError:
-            return
-        threadpool_limits(int(env["OMP_NUM_THREADS"]))
+class _WorkerInit:
+    """The pool's initializer: limit native thread pools, as loky does for its workers, then
+    run the user's ``initializer(*initargs)`` (given to ``Parallel`` or ``parallel_config``)."""
+
+    __slots__ = ("env", "fn", "args", "name")
+
+    def __init__(self, env: dict[str, str], fn: Any, args: tuple[Any, ...], name: str) -> None:
+        self.env = env
+        self.fn = fn  # the user's initializer as it travels (by value: a _ByValue), or None
+        self.args = args
+        self.name = name  # the pool names its initializer by this when it raises
+
+    def __call__(self) -> None:
+        os.environ.update(self.env)
+        if "numpy" in sys.modules:  # fork: the libraries are loaded already
+            try:
+                from threadpoolctl import threadpool_limits
+            except ImportError:
+                pass
+            else:
+                threadpool_limits(int(self.env["OMP_NUM_THREADS"]))
+        if self.fn is not None:
+            self.fn(*self.args)
 
 
 # -- the reusable pool -----------------------------------------------------------------------
-_PoolKey = tuple[int, str, tuple[tuple[str, str], ...]]
+# (n_jobs, start method, worker environment, (initializer, initargs) or None)
+_PoolKey = tuple[int, str, tuple[tuple[str, str], ...], tuple[Any, tuple[Any, ...]] | None]
+
+
+def _same_key(a: _PoolKey | None, b: _PoolKey) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - initargs holding arrays (== is elementwise): not equal
+        return False
 
 
 class _Reusable:
@@ -304,7 +346,7 @@ class _Reusable:
             if self.timer is not None:
                 self.timer.cancel()
                 self.timer = None
-            if self.pool is not None and self.key == key:
+            if self.pool is not None and _same_key(self.key, key):
                 self.users += 1
                 return self.pool, True
             if self.pool is not None and self.users > 0:
@@ -364,9 +406,49 @@ os.register_at_fork(after_in_child=_reusable.forget)
 
 
 def _new_pool(key: _PoolKey) -> Pool:
-    n_jobs, method, env = key
+    n_jobs, method, env, init = key
+    fn, args = init if init is not None else (None, ())
+    name = _function_name(fn) if fn is not None else "tensormp.joblib's worker set-up"
+    if method != "fork":  # (forked workers inherit them as they are)
+        fn, args = _wire_fn(fn), _wire_args(args)
     ctx = tensormp.get_context(method)
-    return ctx.Pool(n_jobs, initializer=_init_worker, initargs=(dict(env),))  # type: ignore[no-any-return]
+
+    def start() -> Pool:
+        initializer = _WorkerInit(dict(env), fn, args, name)
+        return ctx.Pool(n_jobs, initializer=initializer)  # type: ignore[no-any-return]
+
+    if method == "fork" and sys.exc_info()[1] is not None:
+        # Forked in the middle of handling an exception (joblib's abort_everything, called in
+        # its `except` block; a `Parallel` call in the user's), a worker would inherit it: a
+        # task's exception would carry it as `__context__`, and its traceback the parent's
+        # failure. A new thread handles no exception: fork from one.
+        return _in_new_thread(start)
+    return start()
+
+
+def _in_new_thread(fn: Callable[[], Pool]) -> Pool:
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append((True, fn()))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            out.append((False, e))
+
+    thread = threading.Thread(target=run, name="tensormp.joblib pool start")
+    thread.start()
+    try:
+        thread.join()
+    except BaseException:  # Ctrl-C while the workers start: stop them, then give it back
+        thread.join()
+        if out and out[0][0]:
+            out[0][1].terminate()
+            out[0][1].join()
+        raise
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value  # type: ignore[no-any-return]
 
 
 def shutdown() -> None:
@@ -388,14 +470,18 @@ _repr = reprlib.Repr()
 _repr.maxstring = _repr.maxother = 60
 
 
+def _function_name(fn: Any) -> str:
+    fn = getattr(fn, "function", None) or fn  # scikit-learn's delayed wraps the function
+    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
+
+
 def _describe(func: Any) -> str:
     """``work(array([...]), k=2) and 31 more calls``: a batch as a person reads it."""
     items = getattr(func, "items", None)
     if not items:
         return _repr.repr(func)
     fn, args, kwargs = items[0]
-    fn = getattr(fn, "function", None) or fn  # scikit-learn's delayed wraps the function
-    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    name = _function_name(fn)
     parts = [_repr.repr(a) for a in args[:4]] + ["..."] * (len(args) > 4)
     parts += [f"{k}={_repr.repr(v)}" for k, v in list(kwargs.items())[:4]]
     more = f" and {len(items) - 1} more call(s)" if len(items) > 1 else ""
@@ -420,6 +506,25 @@ def _lost(error: WorkerLostError, func: Any) -> TerminatedWorkerError:
     )
     lost.__cause__ = error.__cause__  # the worker's Python stack, when known
     return lost
+
+
+def _initializer(fn: Any, args: Any) -> tuple[Any, tuple[Any, ...]] | None:
+    if fn is None:
+        return None
+    if not callable(fn):
+        raise TypeError(
+            f"initializer must be callable, got {type(fn).__name__}: {_repr.repr(fn)}"
+        )
+    return fn, _initargs(args)
+
+
+def _unpicklable(error: BaseException, func: Any) -> pickle.PicklingError:
+    return pickle.PicklingError(
+        # loky's words first: what programs and their tests match
+        f"Could not pickle the task to send it to the workers. {_describe(func)} holds an "
+        f"object that cannot be pickled ({type(error).__name__}: {error}); create it inside "
+        "the task, or pass what it is made from."
+    )
 
 
 class TensormpBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[misc]
@@ -509,18 +614,28 @@ class TensormpBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[m
         idle_worker_timeout: float | None = None,
         **memmapping_kwargs: Any,
     ) -> int:
-        """Get the workers for a ``Parallel`` call; returns their number. ``max_nbytes``,
-        ``mmap_mode`` and ``temp_folder`` (loky's memory-mapping settings) are ignored: arrays
-        cross as shared memory."""
+        """Get the workers for a ``Parallel`` call; returns their number.
+
+        ``initializer``/``initargs`` (given to ``Parallel`` or, for every call,
+        ``parallel_config``; ``Parallel``'s win) run ``initializer(*initargs)`` in each worker
+        as it starts, as loky does; workers kept from a call with another initializer are not
+        reused. ``max_nbytes``, ``mmap_mode`` and ``temp_folder`` (loky's memory-mapping
+        settings) are ignored: arrays cross as shared memory.
+
+        Raises:
+            TypeError: ``initializer`` is not callable, or ``initargs`` is not a tuple.
+        """
         n = self.effective_n_jobs(n_jobs)
         if n == 1:
             raise FallbackToBackend(SequentialBackend(nesting_level=self.nesting_level))
         if idle_worker_timeout is not None:
             self.idle_worker_timeout = idle_worker_timeout
+        options = {**self.backend_kwargs, **memmapping_kwargs}
         method = self.start_method or tensormp.get_start_method()
         env = tuple(sorted(self._prepare_worker_env(n_jobs=n).items()))
+        init = _initializer(options.get("initializer"), options.get("initargs", ()))
         self._release()
-        self._pool, self._shared = _reusable.acquire((n, method, env))
+        self._pool, self._shared = _reusable.acquire((n, method, env, init))
         self._functions = _Functions()
         self.parallel = parallel
         return n
@@ -532,12 +647,15 @@ class TensormpBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[m
             raise RuntimeError("the tensormp joblib backend was terminated; configure it first")
         target: Callable[..., Any]
         args: tuple[Any, ...]
+        # copy_private: an ordinary torch tensor crosses as a copy, as an ordinary array does
+        # (torch's own rule moves its storage into shared memory, where the worker's writes
+        # would reach the caller); only memory shared on purpose is written through, as loky.
         if isinstance(func, BatchedCalls):
             functions = self._functions
             items = [_wire_item(item, functions) for item in func.items]
-            target, args = _run_batch, (items, func._backend, func._n_jobs)
+            target, args = _run_batch, (copy_private(items), func._backend, func._n_jobs)
         else:
-            target, args = _run_call, (self._functions.wire(func),)
+            target, args = _run_call, (copy_private(self._functions.wire(func)),)
         if callback is None:
             return self._pool.apply_async(target, args)
 
@@ -561,6 +679,12 @@ class TensormpBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[m
         error = out.value
         if isinstance(error, WorkerLostError) and not isinstance(error, TerminatedWorkerError):
             raise _lost(error, out.func)
+        if not isinstance(error.__cause__, RemoteTraceback) and not isinstance(
+            error, tensormp.TensormpError
+        ):
+            # Not from a worker (whose errors carry its traceback) nor the pool: pickling the
+            # batch failed here.
+            raise _unpicklable(error, out.func) from error
         raise error
 
     def retrieve_result(self, out: Any, timeout: float | None = None) -> Any:
@@ -581,7 +705,10 @@ class TensormpBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[m
             pool.terminate()
             pool.join()
         if ensure_ready and self.parallel is not None:
-            self.configure(n_jobs=self.parallel.n_jobs, parallel=self.parallel)
+            self.configure(
+                n_jobs=self.parallel.n_jobs, parallel=self.parallel,
+                **self.parallel._backend_kwargs,
+            )
 
     def _release(self) -> None:
         pool, self._pool = self._pool, None

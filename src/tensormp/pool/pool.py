@@ -20,7 +20,7 @@ from .engines.base import _RUN
 from .errors import BrokenPoolError, WorkerLostError
 from .progress import _Progress
 from .results import AsyncResult, IMapIterator, MapResult
-from .tasks import _Fn, _prepare, _Task
+from .tasks import _Fn, _initargs, _prepare, _Task
 from .worker import _CALL, _MAP, _STARMAP
 
 
@@ -169,11 +169,7 @@ class Pool:
             raise ValueError(
                 f"maxtasksperchild must be a positive int or None, got {maxtasksperchild!r}"
             )
-        if not isinstance(initargs, (tuple, list)):
-            raise TypeError(
-                f"initargs must be a tuple, got {type(initargs).__name__}; for one argument "
-                "write initargs=(x,)"
-            )
+        initargs = _initargs(initargs)
         # Workers forked from us (nothing pickled for them at start: their initializer is
         # inherited, whatever it is) know __main__: callables go by reference first.
         self._inherited = engine == "local" and ctx.get_start_method() == "fork"
@@ -181,7 +177,7 @@ class Pool:
             initializer, "initializer", inherited=self._inherited
         ).wire
         config = EngineConfig(
-            processes=processes, initializer=init, initargs=tuple(initargs),
+            processes=processes, initializer=init, initargs=initargs,
             maxtasks=maxtasksperchild, owner="tensormp.Pool", lost_error=WorkerLostError,
             broken_error=BrokenPoolError, ctx=ctx,
         )

@@ -101,6 +101,20 @@ def _prepare(fn: Any, what: str = "func", *, inherited: bool = False) -> _Fn:
     return ref
 
 
+def _initargs(initargs: Any) -> tuple[Any, ...]:
+    """``initargs`` as a tuple (a list is taken too, as the stdlib).
+
+    Raises:
+        TypeError: ``initargs`` is not a tuple or a list.
+    """
+    if not isinstance(initargs, (tuple, list)):
+        raise TypeError(
+            f"initargs must be a tuple, got {type(initargs).__name__}; for one argument write "
+            "initargs=(x,)"
+        )
+    return tuple(initargs)
+
+
 class _Task:
     """One call or one chunk: what the manager sends, and where the answer goes."""
 

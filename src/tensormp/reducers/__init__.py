@@ -16,6 +16,13 @@ The fds in ``Message.fds`` are *borrowed*: they belong to the segments or connec
 ``Message.keepalive``, which the sender keeps alive until the message is sent (and, for a
 copied array, until then the copy exists nowhere else).
 
+Private memory: an array whose memory is not shared yet crosses as a copy for the receiver
+(numpy), or has its storage moved into shared memory in place first, as torch.multiprocessing
+does (torch). A message holding :func:`copy_private` (a wrapper the receiver never sees) copies
+instead of moving from there on: the sender's objects stay as they were (the joblib backend
+sends its arguments so, as loky leaves the caller's tensors alone). Memory shared on purpose
+(``tensormp.share``, ``share_memory_()``, received) crosses as a handle either way.
+
 Registration: tensormp does **not** register array reducers on the global stdlib pickler.
 Numpy arrays put on a plain ``multiprocessing.Queue`` keep being pickled by value; tensormp's
 own queues, pipes, pools and processes always use tensormp's reducers, whether torch (which
@@ -54,7 +61,7 @@ if TYPE_CHECKING:
     from ..strategies.base import Strategy
 
 __all__ = [
-    "Message", "dumps", "loads", "register", "current_message", "take_fd", "note_counted",
+    "Message", "dumps", "loads", "copy_private", "register", "current_message", "take_fd", "note_counted",
     "ArrayLibrary", "LIBRARIES", "helpers_for",
     "flush_release_records",
     "process_args_parent", "current_process_args_parent",
@@ -204,10 +211,13 @@ class Message:
             message alive until it is sent.
     """
 
-    __slots__ = ("data", "fds", "keepalive", "noted", "counted", "_index", "_undo")
+    __slots__ = (
+        "data", "fds", "keepalive", "noted", "counted", "copy_private", "_index", "_undo"
+    )
 
     def __init__(self) -> None:
         self.data = b""
+        self.copy_private = False  # set by a copy_private() wrapper: see the module notes
         self.fds: list[int] = []
         self.keepalive: list[object] = []
         self.noted: list[Block] = []  # this process's own blocks a handle was counted for
@@ -276,6 +286,31 @@ class _Pickler(pickle.Pickler):
 # the allocator is loaded). Called before sending a message, so creators learn who holds what
 # before any reply can come back. The function itself, not a wrapper: it runs per message.
 flush_release_records = release.flush
+
+
+def _same(obj: Any) -> Any:
+    return obj
+
+
+class _CopyPrivate:
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        msg = current_message()
+        if msg is not None:
+            msg.copy_private = True  # before ``obj`` is pickled (the pickler saves it next)
+        return _same, (self.obj,)
+
+
+def copy_private(obj: Any) -> Any:
+    """``obj``, to be sent so that the sender's objects are left as they are: a torch tensor
+    whose memory is not shared yet crosses as a copy, as a numpy array does, instead of having
+    its storage moved into shared memory in place (which applies from this wrapper to the end
+    of the message). The receiver gets ``obj`` itself."""
+    return _CopyPrivate(obj)
 
 
 def current_message() -> Message | None:

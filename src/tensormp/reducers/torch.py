@@ -34,7 +34,9 @@ Sending: the reducer of ``UntypedStorage`` (a tensor reaches it through its stor
    swaps the two storages' data pointers together with their size, ``resizable`` flag and
    allocator (c10 ``StorageImpl::swap_data_ptr``). The sender's storage object, and so every
    tensor and view on it, now uses the block; the old private memory leaves with the temporary
-   storage. This is torch's own ``set_data_ptr_noswap`` move, done from Python.
+   storage. This is torch's own ``set_data_ptr_noswap`` move, done from Python. In a message
+   marked :func:`~tensormp.reducers.copy_private`, such a storage crosses as a copy instead,
+   as a numpy array does: the sender's storage is left where it was.
 The handle is the numpy handle of the ``uint8`` view (``reducers/numpy.py``): the segment's fd
 rides in the message, the block's creator counts the handle and the receiver releases it,
 exactly as for arrays. A storage of 0 bytes crosses as a new empty storage (as in torch).
@@ -279,6 +281,10 @@ def reduce_storage(storage: Any) -> Any:
     with _lock:
         entry = _entry(storage)
         if entry is None:
+            if msg.copy_private and not _orig_is_shared(storage):
+                # A copy for the receiver, as a numpy array's (reducers.copy_private): the
+                # numpy reducer copies these bytes into a block only the receiver views.
+                return _rebuild_storage, (_bytes_of(storage),)
             if _orig_is_shared(storage) or not _CAN_SWAP:
                 return _reduce_torch_shared(storage, msg)
             _move(storage)
@@ -290,6 +296,11 @@ def reduce_storage(storage: Any) -> Any:
             # It may come back: as the same storage.
             _cache_put(_view_key(cast(np.ndarray, view)), storage)
     return _rebuild_storage, (view,)
+
+
+def _bytes_of(storage: Any) -> np.ndarray:
+    """A ``uint8`` array over a CPU storage's own memory (it keeps the storage alive)."""
+    return cast(np.ndarray, torch.empty(0, dtype=torch.uint8).set_(storage).numpy())
 
 
 def _rebuild_storage(view: np.ndarray) -> Any:
