@@ -136,16 +136,11 @@ def _dead(p, timeout=30.0) -> None:
     assert p.exitcode == -signal.SIGKILL, f"the victim was not killed at its point: {p.exitcode}"
 
 
-# Under file_system, a sender tells the cleanup daemon that a message is in flight before it
-# writes it, and a receiver tells it (asynchronously) once the arrays are mapped: a process
-# killed in between keeps the file until the program ends (strategies/file_system.py; README).
-# Those points run under file_descriptor only, the others under both strategies in turn.
-_FS_PINS = {"put.begin", "put.tokens", "send.payload", "send.bag", "recv.got", "recv.payload",
-            "recv.loaded", "recv.done"}
-
-
+# Each case runs under one strategy, alternating. Under file_system every message carries a
+# token of each file it refers to (strategies/file_system.py): whatever point the victim dies
+# at, the leak fixture sees its files go while this process runs.
 def _set_strategy(point: str, i: int) -> None:
-    mp.set_sharing_strategy("file_descriptor" if point in _FS_PINS else STRATEGIES[i % 2])
+    mp.set_sharing_strategy(STRATEGIES[i % 2])
 
 
 # -- a producer dies ---------------------------------------------------------------------------
