@@ -31,6 +31,7 @@ import random
 import signal
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -44,8 +45,10 @@ SIZE_MAX = 8 << 20
 DURATION = float(os.environ.get("SOAK_DURATION", 20.0))
 KILL_EVERY = float(os.environ.get("SOAK_KILL_EVERY", 3.0))
 LINGER = 3.0
-PHASE_TIMEOUT = 60.0  # seconds any phase after the kills may take before it counts as a stall
+PHASE_TIMEOUT = float(os.environ.get("SOAK_PHASE_TIMEOUT", 60.0))
+PAUSE_AT = float(os.environ.get("SOAK_PAUSE_AT", 6.0))  # seconds any phase after the kills may take before it counts as a stall
 WORDS_MAX = SIZE_MAX // 8
+ARENA_SLACK = 64 << 20  # free space of partly used arenas, per process (memory/arenas.py)
 
 
 def _seed(tag: int, i: int) -> int:
@@ -115,6 +118,17 @@ def consumer(q, report, seed, dump_dir):
     kept.clear()
     report.send(("done", os.getpid(), got))
     report.close()
+
+
+def memory_bound(consumer_kills: int) -> int:
+    """Bytes of shared memory the soak's live processes may hold at once (docs/guarantees.md,
+    "Memory under kills"): the arrays queued (``MAXSIZE``), kept by the consumers and in the
+    hands of each process, the blocks a killed consumer received in its last 50 ms (not yet
+    announced: pinned until their creator exits; a few per kill), and per live process the
+    cache limit on each side (free blocks, idle foreign mappings) plus the free part of the
+    arenas it still uses."""
+    arrays = MAXSIZE + 2 * WINDOW_MAX + 4 + 4 * consumer_kills
+    return arrays * SIZE_MAX + 4 * (2 * mp.get_cache_limit() + ARENA_SLACK)
 
 
 # -- what the live processes hold ---------------------------------------------------------------
@@ -223,6 +237,8 @@ def run(strategy: str, seed: int, duration: float = DURATION) -> dict:
                 else:
                     wrong.append(msg)
 
+    phases: dict[str, float] = {}
+
     def wait_for(what: str, cond, timeout: float = PHASE_TIMEOUT) -> None:
         phase[0] = what
         deadline = time.monotonic() + timeout
@@ -238,7 +254,15 @@ def run(strategy: str, seed: int, duration: float = DURATION) -> dict:
         for role in "ppcc":
             start(role)
         next_kill = t0 + KILL_EVERY
+        pause = float(os.environ.get("SOAK_PAUSE_DAEMON", 0))  # seconds (file_system): a
+        daemon_pid = 0  # cleanup daemon starved of CPU, as on a loaded machine
         while next_kill <= t0 + duration:
+            if pause and not daemon_pid and next_kill > t0 + PAUSE_AT:
+                from tensormp.strategies import _client
+
+                daemon_pid = _client.request("STATE", start=True)["pid"]
+                os.kill(daemon_pid, signal.SIGSTOP)
+                threading.Timer(pause, os.kill, (daemon_pid, signal.SIGCONT)).start()
             pump(next_kill)
             role = rng.choice("pc")
             pool = producers if role == "p" else consumers
@@ -250,8 +274,10 @@ def run(strategy: str, seed: int, duration: float = DURATION) -> dict:
             next_kill += KILL_EVERY
         pump(t0 + duration)
         stop.value = 1
+        t_stop = time.monotonic()
         for p in producers:
             wait_for(f"producer {p.pid} exit", lambda p=p: p.exitcode is not None)
+        phases["producers_exit"] = time.monotonic() - t_stop
         phase[0] = "put(None)"
         for _ in consumers:
             deadline = time.monotonic() + PHASE_TIMEOUT
@@ -263,9 +289,13 @@ def run(strategy: str, seed: int, duration: float = DURATION) -> dict:
                     if time.monotonic() > deadline:
                         raise Stall("put(None)") from None
                     pump(time.monotonic() + 0.05)
+        phases["nones"] = time.monotonic() - t_stop
         wait_for("consumer results", lambda: len(done) == len(consumers))
+        phases["results"] = time.monotonic() - t_stop
         for p in consumers:
             wait_for(f"consumer {p.pid} exit", lambda p=p: p.exitcode is not None)
+        phases["consumers_exit"] = time.monotonic() - t_stop
+        result["bad_exits"] = [p.exitcode for p in producers + consumers if p.exitcode != 0]
         result["stall"] = None
     except Stall as e:
         result["stall"] = str(e)
@@ -284,6 +314,7 @@ def run(strategy: str, seed: int, duration: float = DURATION) -> dict:
     soak_end = time.monotonic()
     result["soak_s"] = round(soak_end - t0, 1)
     result["kills"] = kills
+    result["end_phases_s"] = {k: round(v, 2) for k, v in phases.items()}
     result["received"] = len(received)
     result["duplicates"] = len(received) - len(set(received))
     top: dict[int, int] = {}
@@ -296,6 +327,7 @@ def run(strategy: str, seed: int, duration: float = DURATION) -> dict:
     result["peak_memfd_mib"] = round(peak["memfd"] / 2**20, 1)
     result["peak_files_mib"] = round(peak["files"] / 2**20, 1)
     result["peak_total_mib"] = round(peak["total"] / 2**20, 1)
+    result["bound_mib"] = round(memory_bound(kills["c"]) / 2**20, 1)
     report_w.close()
     # Files of this program left LINGER seconds after the soak, the root still running.
     time.sleep(max(0.0, soak_end + LINGER - time.monotonic()))
