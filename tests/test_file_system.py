@@ -358,6 +358,44 @@ def test_a_removed_file_still_arrives_and_cannot_be_sent_again(file_system):
     assert wait_for(lambda: mp.memory_stats()["remote_held_bytes"] == 0, 10.0)
 
 
+def _echo_queue(q, out, n):
+    for _ in range(n):
+        out.send(q.get())
+    out.close()
+
+
+@pytest.mark.timeout(90)
+def test_channels_do_not_wait_for_the_cleanup_daemon(monkeypatch, shm_dir, file_system):
+    """A daemon starved of CPU (here: stopped) must not slow messages down: they carry tokens
+    the kernel tracks, and tell the daemon nothing. (Before tokens, every put wrote a record to
+    the daemon synchronously: once its socket was full, each put waited up to 10 s.)"""
+    monkeypatch.setenv("TENSORMP_SHM_DIR", str(shm_dir))
+    ctx = mp.get_context("fork")
+    n = 1000
+    q = ctx.Queue()
+    r, w = ctx.Pipe(duplex=False)
+    a = mp.full(512, 3.0)  # its segment is made (and the daemon started) before the stop
+    p = ctx.Process(target=_echo_queue, args=(q, w, n))
+    p.start()
+    w.close()
+    daemon = _client.request("STATE", str(shm_dir))["pid"]
+    os.kill(daemon, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        for _ in range(n):
+            q.put(a)
+            assert r.recv()[0] == 3.0
+        elapsed = time.monotonic() - start
+    finally:
+        os.kill(daemon, signal.SIGCONT)
+    p.join(30)
+    r.close()
+    assert p.exitcode == 0
+    assert elapsed < 20, f"{n} round trips took {elapsed:.1f} s with the daemon stopped"
+    del a
+    mp.empty_cache()  # our arena's file goes before the private directory is checked
+
+
 def test_out_of_space_error_names_the_fix(monkeypatch, shm_dir, file_system):
     monkeypatch.setenv("TENSORMP_SHM_DIR", str(shm_dir))
     free = shutil.disk_usage(shm_dir).free
