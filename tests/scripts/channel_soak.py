@@ -18,7 +18,10 @@ of the soak hold: memfd bytes (pages allocated, by inode, over fds and mappings)
 of this program's files in the shm directory. After the soak it waits ``LINGER`` seconds and
 counts this program's ``tensormp-*`` files still there.
 
-Run: ``python tests/scripts/channel_soak.py STRATEGY [runs]``; prints one JSON line per run.
+Run: ``python tests/scripts/channel_soak.py STRATEGY [runs [seed]]``; prints one JSON line per
+run. Knobs (environment): ``SOAK_DURATION``, ``SOAK_KILL_EVERY`` (seconds), ``SOAK_PHASE_TIMEOUT``,
+and ``SOAK_PAUSE_DAEMON`` / ``SOAK_PAUSE_AT`` (``file_system``: stop the cleanup daemon for that
+many seconds from that time on, a daemon starved of CPU).
 """
 
 from __future__ import annotations
