@@ -19,21 +19,23 @@ uid from the kernel (``SO_PEERCRED``), drops any peer of another uid, and answer
 raises, naming the daemon's pid). Then the client sends ``C <name>`` records (I am about to
 create ``name``; never answered), and two requests, answered with one JSON packet: ``STATE``
 (pid, version, which files a token still carries) and ``GC`` (collect now; the names removed).
-The daemon keeps no count of anything: a connection only tells it that a client lives.
+The daemon counts nothing per message; it only remembers which names were announced.
 
 **Collection** (:meth:`Daemon.collect`, about once a second and on ``GC``). For each named
 segment file of this uid whose creator is dead (pid + start time), :func:`file_system.is_orphan`
-decides: no live process maps it (``/proc/<pid>/maps``) and no token of it exists (one
-``F_OFD_GETLK``: a message carrying it is unread, or a process maps it through one; see
-``file_system.py``). An orphan is unlinked; processes that still map it are never affected
-(they hold no name, only a mapping).
+decides: no live process maps it (``/proc/<pid>/maps``) and, for a file announced by a ``C``
+record, no token of it exists (one ``F_OFD_GETLK``: a message carrying it is unread, or a
+process maps it through one; see ``file_system.py``); for a file it was not told of, its
+program has ended (its root is dead and no client of it is connected). An orphan is unlinked;
+processes that still map it are never affected (they hold no name, only a mapping).
 
 **What each party sees when another is SIGKILLed.** A client: its connection closes; the
 daemon forgets it; its segments become candidates (creator dead), and the tokens it held
 (messages it was writing, messages it had taken and not yet mapped) close with it, so its
 files go at the next collection. The daemon: clients get ``EPIPE`` at their next record and
-start a new one, which knows all it needs (there is no state to lose); ``tensormp gc`` applies
-the same rule without any daemon.
+start a new one, which was not told of the files made before: it keeps them until their program
+has ended (and reclaims at once the orphans of programs that are gone); ``tensormp gc`` applies
+that rule without any daemon.
 
 The daemon exits after :data:`IDLE_EXIT` seconds with no client and no named segment left,
 removing its socket and lock file first (a client that connects during the exit retries and
