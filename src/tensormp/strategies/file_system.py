@@ -33,10 +33,10 @@ still be read, or a process maps it through a token, and it goes with no help fr
 
 A sender keeps the tokens of its last ``_TOKEN_CACHE`` segments open and attaches the same OFD
 to every message for them (no syscall per message); at most that many fds, plus one per segment
-of messages still waiting in a feeder thread. The creator takes the lock on its own OFD too
-before it maps a new file, so a fork child that inherits the creator's mapping holds it as well.
-A forwarder (a receiver sending on an array it got) maps through a token, so the lock protects
-the name it opens.
+of messages still waiting in a feeder thread. A forwarder (a receiver sending on an array it
+got) maps through a token, so the lock protects the name it opens. The creator maps its file
+through an OFD without the lock (its own liveness protects the name); a fork child that
+inherits that mapping and outlives the creator is seen by the maps check below.
 
 Who may remove a file
 ---------------------
