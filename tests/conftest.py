@@ -147,7 +147,6 @@ def no_leaks():
     def shm_back() -> bool:
         if _shm_names() <= before_shm:
             return True
-        _client.flush()
         _client.request("GC")
         return _shm_names() <= before_shm
 

@@ -24,7 +24,7 @@ import pytest
 
 import tensormp as mp
 from conftest import wait_for
-from tensormp.errors import SharedMemoryError, TensormpError
+from tensormp.errors import HandleError, SharedMemoryError, TensormpError
 from tensormp.memory.allocator import find_block
 from tensormp.strategies import _client, _daemon
 from tensormp.strategies import file_system as fs
@@ -330,26 +330,70 @@ def test_5000_live_arrays_at_256_fds(shm_dir):
 
 def _receive_and_report(q, out):
     try:
-        q.get()
-        out.put("rebuilt")
+        a = q.get()
+        out.put(float(a[0]))
     except Exception as e:
         out.put(f"{type(e).__name__}: {e}")
 
 
-def test_a_removed_file_is_a_clear_error_in_the_receiver(file_system):
+def test_a_removed_file_still_arrives_and_cannot_be_sent_again(file_system):
+    """A message carries a token of the file (an fd), not only its name: a file removed by
+    hand after the put is still received. A put of an array whose file is gone is a clear error
+    in the caller, and nothing stays pinned."""
     ctx = mp.get_context("spawn")
     q, out = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=_receive_and_report, args=(q, out))
     p.start()
-    a = mp.zeros(300_000)
-    os.unlink(os.path.join(fs.shm_dir(), name_of(a)))  # as if removed by hand
+    a = mp.full(300_000, 7.0)
     q.put(a)
-    assert out.get(timeout=60).startswith("HandleError: the shared-memory file")
+    os.unlink(os.path.join(fs.shm_dir(), name_of(a)))  # as if removed by hand
+    assert out.get(timeout=60) == 7.0
     p.join(30)
     assert p.exitcode == 0
-    # The receiver gave the handle's count back: nothing stays pinned here.
-    del a
+    b = mp.zeros(300_000)
+    os.unlink(os.path.join(fs.shm_dir(), name_of(b)))
+    with pytest.raises(HandleError, match="no longer exists.*a.copy()"):
+        q.put(b)
+    del a, b
     assert wait_for(lambda: mp.memory_stats()["remote_held_bytes"] == 0, 10.0)
+
+
+def _echo_queue(q, out, n):
+    for _ in range(n):
+        out.send(q.get())
+    out.close()
+
+
+@pytest.mark.timeout(90)
+def test_channels_do_not_wait_for_the_cleanup_daemon(monkeypatch, shm_dir, file_system):
+    """A daemon starved of CPU (here: stopped) must not slow messages down: they carry tokens
+    the kernel tracks, and tell the daemon nothing. (Before tokens, every put wrote a record to
+    the daemon synchronously: once its socket was full, each put waited up to 10 s.)"""
+    monkeypatch.setenv("TENSORMP_SHM_DIR", str(shm_dir))
+    ctx = mp.get_context("fork")
+    n = 1000
+    q = ctx.Queue()
+    r, w = ctx.Pipe(duplex=False)
+    a = mp.full(512, 3.0)  # its segment is made (and the daemon started) before the stop
+    p = ctx.Process(target=_echo_queue, args=(q, w, n))
+    p.start()
+    w.close()
+    daemon = _client.request("STATE", str(shm_dir))["pid"]
+    os.kill(daemon, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        for _ in range(n):
+            q.put(a)
+            assert r.recv()[0] == 3.0
+        elapsed = time.monotonic() - start
+    finally:
+        os.kill(daemon, signal.SIGCONT)
+    p.join(30)
+    r.close()
+    assert p.exitcode == 0
+    assert elapsed < 20, f"{n} round trips took {elapsed:.1f} s with the daemon stopped"
+    del a
+    mp.empty_cache()  # our arena's file goes before the private directory is checked
 
 
 def test_out_of_space_error_names_the_fix(monkeypatch, shm_dir, file_system):

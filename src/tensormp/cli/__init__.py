@@ -17,10 +17,11 @@ Design note
   and program (``strategies/file_system.py``). Only these can be orphaned.
 
 **Who decides what is an orphan.** When the cleanup daemon of the shm directory runs
-(``strategies/_daemon.py``), ``gc`` asks it (``GC``): it alone knows which handles are still in
-flight in queues and pipes, and it answers with what it removed. Otherwise, and for ``ls``,
+(``strategies/_daemon.py``), ``gc`` asks it (``GC``): it alone knows which files its clients
+made (whose messages carry tokens, ``strategies/file_system.py``), and it answers with what it
+removed. Otherwise, and for ``ls``,
 ``doctor`` and ``gc --dry-run`` always, the CLI applies the daemon's rule without the in-flight
-knowledge (:func:`file_system.is_orphan` with ``in_flight=None``): a file of this uid is an
+knowledge (:func:`file_system.is_orphan` with ``known=False``): a file of this uid is an
 orphan when its creator is dead, no live process maps it *or holds an fd to it*, and its program
 has ended (its root is dead and no live creator of another file of the same program is seen).
 That rule is never less careful than the daemon's, so running it next to a daemon is safe. The

@@ -24,7 +24,7 @@ def _collect_locally(shm: str, dry_run: bool) -> list[tuple[str, int]]:
     held = holders_by_name(shm, scan_proc(shm))  # after the creators were seen dead
     freed = []
     for f in candidates:
-        if fs.is_orphan(f, held, None, program_alive(f, live)):
+        if fs.is_orphan(f, held, False, program_alive(f, live), shm):
             if dry_run or fs.unlink(f.name, shm):
                 freed.append((f.name, f.size))
     return freed

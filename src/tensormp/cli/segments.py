@@ -32,8 +32,9 @@ class SegmentRow:
         creator_pid: pid of the process that created it.
         creator_alive: whether it lives (files: pid and start time; memfds: pid only).
         holders: pids of the live processes that map it or hold an fd to it.
-        in_flight: messages carrying it not yet received, as the cleanup daemon counts them
-            (files only; None when no daemon runs or for memfds).
+        in_flight: 1 when a token of it exists (a message carrying it is unread, or a
+            process maps it through one), else 0, as the cleanup daemon reports it (files only;
+            None when no daemon runs or for memfds).
         status: ``"live"`` or ``"orphan"`` (nobody can need it: ``tensormp gc`` removes it).
         reason: why, in words.
         inode: the memfd's inode (its identity), or the file's.
@@ -80,7 +81,7 @@ def file_rows(shm: str, scan: Scan, in_flight: dict[str, int] | None) -> list[Se
         creator_alive = fs.process_alive(*f.creator)
         holders = sorted(held.get(f.name, ()))
         prog_alive = program_alive(f, live)
-        if fs.is_orphan(f, held, None, prog_alive):
+        if fs.is_orphan(f, held, False, prog_alive, shm):
             status, reason = "orphan", "creator and program dead, no process holds it"
         elif creator_alive:
             status, reason = "live", "creator alive"

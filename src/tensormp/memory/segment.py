@@ -293,6 +293,7 @@ class Segment:
             self.buffer = None
             self.view = None
             _libc.munmap(self.address, self.size)
+            self.strategy.unmapped(self)
             if self.creator_pid == os.getpid():
                 self.strategy.remove(self)  # the creator lets it go: no handle to it is out
         if self.fd >= 0:

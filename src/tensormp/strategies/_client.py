@@ -1,26 +1,17 @@
 """A process's connection to the ``file_system`` cleanup daemon (protocol: ``_daemon.py``).
 
-``C`` and ``S`` records are written synchronously, in the thread that causes them, before
-the event they announce can be observed by anyone else: ``C`` before the file is created,
-``S`` before the message leaves (right after it is pickled). A record is one ``write()`` on the
-socket's non-blocking fd (no ``poll`` first, as a socket with a timeout makes before every
-``send()``); only when the daemon's buffer is full does the writer wait, up to the timeout. ``R`` records (sent after the
-rebuilt arrays are mapped) are queued and sent within 50 ms (see :func:`received`): a late
-``R`` only keeps a segment longer. That order is what lets the daemon count a handle in flight
-without ever reading a receiver's ``R`` before the sender's ``S`` is readable. A receiver
-SIGKILLed in the 50 ms before its ``R`` left keeps the segment counted in flight: it is then
-removed when its program ends, never early.
+A process connects when it first creates a named segment, and sends one ``C`` record per
+segment it creates, synchronously, before the file exists: so a daemon serves the shm
+directory whenever a file of ours can be orphaned. Nothing is sent per message: whether a
+message can still carry a file is the kernel's to tell (tokens, ``file_system.py``).
 
-A forked child never writes on its parent's connection (the daemon would count its records
-as the parent's): the connection is dropped in the child at fork and the child connects on its
-first record. A daemon that died (``EPIPE``/``ECONNRESET``) is restarted once per record;
-if that fails, creating a named segment raises, and ``S``/``R`` records are dropped (the
-segment is then kept until its program ends: never freed early).
+A forked child never writes on its parent's connection: the connection is dropped in the child
+at fork and the child connects on its first record. A daemon that died (``EPIPE``/
+``ECONNRESET``) is restarted once per record; if that fails, creating a named segment raises.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 import socket
 import subprocess
@@ -31,13 +22,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import TensormpError
-from . import _daemon, add_flusher
+from . import _daemon
 from . import file_system as fs
 
-__all__ = [
-    "created", "sent", "received", "flush", "has_pending", "request", "connection_fd",
-    "start_daemon",
-]
+__all__ = ["created", "request", "connection_fd", "start_daemon"]
 
 _lock = threading.Lock()
 _sock: socket.socket | None = None
@@ -197,72 +185,6 @@ def created(name: str) -> None:
         _send_locked(_packets("C", [name], None), must=True)
 
 
-def sent(names: Iterable[str]) -> None:
-    """One message carrying handles to each of ``names`` is about to leave this process."""
-    packets = _packets("S", names, 1)
-    if packets:
-        with _lock:
-            _send_locked(packets, must=False)
-
-
-_pending: dict[str, int] = {}  # R records not sent yet: name -> messages
-_pending_wake = threading.Event()
-_flusher: threading.Thread | None = None  # one per process, started with the first R
-_PENDING_MAX = 256
-_PENDING_AGE = 0.05  # seconds
-
-
-def received(names: Iterable[str]) -> None:
-    """One message carrying ``names`` was rebuilt here (or was not sent after all).
-
-    Queued, not sent: an ``R`` that comes late only keeps a segment a little longer. The
-    queue is sent within 50 ms (a timer), when it holds 256 names, before this process sends
-    or waits for a message (:func:`flush`, through the allocator's flush points), and at exit.
-    """
-    global _flusher
-    with _lock:
-        for name in names:
-            _pending[name] = _pending.get(name, 0) + 1
-        if len(_pending) >= _PENDING_MAX:
-            _flush_locked()
-            return
-        if _flusher is None:
-            _flusher = threading.Thread(target=_flush_loop, name="tensormp-fs-records",
-                                        daemon=True)
-            _flusher.start()
-    _pending_wake.set()
-
-
-def _flush_loop() -> None:
-    """Sends queued ``R`` records at most ``_PENDING_AGE`` after they were queued (one thread
-    for the process's life: a timer thread per batch would cost more than the records)."""
-    while True:
-        _pending_wake.wait()
-        time.sleep(_PENDING_AGE)
-        _pending_wake.clear()
-        flush()
-
-
-def has_pending() -> bool:
-    return bool(_pending)
-
-
-def flush() -> None:
-    """Send the queued ``R`` records now."""
-    with _lock:
-        _flush_locked()
-
-
-def _flush_locked() -> None:
-    if not _pending:
-        return
-    packets: list[bytes] = []
-    for n in set(_pending.values()):
-        packets += _packets("R", [k for k, v in _pending.items() if v == n], n)
-    _pending.clear()
-    _send_locked(packets, must=False)
-
-
 def request(what: str, shm: str | None = None, start: bool = False) -> dict[str, Any] | None:
     """Ask the daemon of ``shm`` for ``"STATE"`` or ``"GC"`` on a connection of its own;
     None when no daemon serves it (and ``start`` is False)."""
@@ -293,23 +215,12 @@ def connection_fd() -> int | None:
 
 
 def _after_fork_in_child() -> None:
-    global _lock, _sock, _flusher, _pending_wake
+    global _lock, _sock
     _lock = threading.Lock()
-    _pending.clear()  # the parent sends its own
-    _flusher = None  # the parent's thread does not exist here
-    _pending_wake = threading.Event()
     if _sock is not None:
         # Not ours to write on; closing our copy leaves the parent's connection open.
         _sock.close()
         _sock = None
 
 
-def _flush_if_pending() -> None:
-    if _pending:
-        flush()
-
-
 os.register_at_fork(after_in_child=_after_fork_in_child)
-atexit.register(flush)
-# Last: a flusher registered once this module is complete (no other module probes for it).
-add_flusher(_flush_if_pending)

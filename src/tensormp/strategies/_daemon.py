@@ -16,35 +16,26 @@ mount namespace, another ``$TENSORMP_SHM_DIR``) talks to a daemon that sees its 
 sends ``HELLO <version> <program pid> <program start>``; the daemon takes the client's pid and
 uid from the kernel (``SO_PEERCRED``), drops any peer of another uid, and answers
 ``OK <version> <daemon pid>`` or ``VERSION <version> <daemon pid>`` (mismatch: the client
-raises, naming the daemon's pid). Then the client sends packets of records, one per line:
+raises, naming the daemon's pid). Then the client sends ``C <name>`` records (I am about to
+create ``name``; never answered), and two requests, answered with one JSON packet: ``STATE``
+(pid, version, which files a token still carries) and ``GC`` (collect now; the names removed).
+The daemon counts nothing per message; it only remembers which names were announced.
 
-* ``C <name>``: I am about to create ``name`` (sent, and so read, before the file exists);
-* ``S <name> <n>``: ``n`` messages carrying handles to ``name`` are about to leave me (sent
-  synchronously before the message is written to its queue or pipe);
-* ``R <name> <n>``: I rebuilt ``n`` such messages (sent after mapping the segment), or a
-  message counted by ``S`` was never sent after all.
-
-and two requests, answered with one JSON packet: ``STATE`` (pid, version, counts) and ``GC``
-(collect now; the names removed). Records are never answered, so a client never waits on the
-daemon for them beyond writing into its socket buffer.
-
-**Collection** (:meth:`Daemon.collect`, about once a second and on ``GC``). The daemon first
-accepts every pending connection and reads every buffered packet, so a record written before a
-message was sent is counted before any record of that message's receiver, whatever order the
-sockets are served in (both are in kernel buffers by then; a dead client's buffered records
-are still read before its end-of-file). Then, for each named segment file of this uid whose
-creator is dead (pid + start time), :func:`file_system.is_orphan` decides, from the maps of the
-live processes, the segment's in-flight count (sent minus received, if this daemon saw it
-created) and whether its program is alive (its root, or a connected client of it). An orphan is
-unlinked; processes that still map it are never affected (they hold no name, only a mapping).
+**Collection** (:meth:`Daemon.collect`, about once a second and on ``GC``). For each named
+segment file of this uid whose creator is dead (pid + start time), :func:`file_system.is_orphan`
+decides: no live process maps it (``/proc/<pid>/maps``) and, for a file announced by a ``C``
+record, no token of it exists (one ``F_OFD_GETLK``: a message carrying it is unread, or a
+process maps it through one; see ``file_system.py``); for a file it was not told of, its
+program has ended (its root is dead and no client of it is connected). An orphan is unlinked;
+processes that still map it are never affected (they hold no name, only a mapping).
 
 **What each party sees when another is SIGKILLed.** A client: its connection closes; the
-daemon forgets it; its segments become candidates (creator dead). A receiver killed between
-receiving and rebuilding: its ``R`` never comes, so the segment stays until the program ends:
-bounded, never freed too early. The daemon: clients get ``EPIPE`` at their next record and
-start a new one, which has lost the in-flight counts: it keeps every segment it did not see
-created until its program has ended (and reclaims at once the orphans of programs that are
-gone); ``tensormp gc`` applies the same rule without any daemon.
+daemon forgets it; its segments become candidates (creator dead), and the tokens it held
+(messages it was writing, messages it had taken and not yet mapped) close with it, so its
+files go at the next collection. The daemon: clients get ``EPIPE`` at their next record and
+start a new one, which was not told of the files made before: it keeps them until their program
+has ended (and reclaims at once the orphans of programs that are gone); ``tensormp gc`` applies
+that rule without any daemon.
 
 The daemon exits after :data:`IDLE_EXIT` seconds with no client and no named segment left,
 removing its socket and lock file first (a client that connects during the exit retries and
@@ -66,10 +57,14 @@ import time
 
 from . import file_system as fs
 
-PROTOCOL = 1
+PROTOCOL = 2
+# The collection rule (tokens). It names the socket and the lock, so that daemons of programs
+# with an older tensormp (which send bare names) run side by side with this one, each judging
+# the files its own clients announce and keeping the others until their program ends.
+GENERATION = 2
+_CREATED_GRACE = 60.0  # seconds a "C" record waits for its file before being forgotten
 IDLE_EXIT = 10.0
 COLLECT_INTERVAL = 1.0
-_CREATED_GRACE = 60.0  # seconds a "C" record waits for its file before being forgotten
 _MAX_PACKET = 1 << 16
 _LOG_MAX = 1 << 20
 _BATCH_DELAY = 0.002  # seconds the daemon lets records accumulate after reading some
@@ -108,7 +103,7 @@ def _key(shm: str) -> str:
 
 def socket_path(shm: str | None = None) -> str:
     """The daemon socket for the shm directory ``shm`` (default: the current one)."""
-    return os.path.join(runtime_dir(), f"daemon-{_key(shm or fs.shm_dir())}.sock")
+    return os.path.join(runtime_dir(), f"daemon-{_key(shm or fs.shm_dir())}-g{GENERATION}.sock")
 
 
 class _Client:
@@ -131,7 +126,6 @@ class Daemon:
         self.listener = listener
         self.log = log
         self.clients: dict[int, _Client] = {}
-        self.flight: dict[str, int] = {}
         self.created: dict[str, float] = {}  # names seen in a C record -> when
         self.started = time.time()
         self.idle_since = time.monotonic()
@@ -222,19 +216,19 @@ class Daemon:
                     return
             elif op == "C" and len(parts) == 2:
                 self.created[parts[1]] = time.monotonic()
-            elif op in ("S", "R") and len(parts) == 3:
-                n = int(parts[2]) if op == "S" else -int(parts[2])
-                self.flight[parts[1]] = self.flight.get(parts[1], 0) + n
             elif op == "STATE":
+                files = fs.list_segment_files(self.shm)
+                carried = [f.name for f in files if fs.carried(f.name, self.shm)]
                 self._reply(client, {
                     "pid": os.getpid(), "protocol": PROTOCOL, "clients": len(self.clients),
                     "shm_dir": self.shm, "started": self.started,
                     # At most 500 names (one packet); "in_flight_total" counts them all.
-                    "in_flight": dict(list((k, v) for k, v in self.flight.items() if v > 0)[:500]),
-                    "in_flight_total": sum(1 for v in self.flight.values() if v > 0),
-                    "known": len(self.created),
+                    "in_flight": {name: 1 for name in carried[:500]},
+                    "in_flight_total": len(carried),
                 })
-            elif op == "GC":
+            elif op != "GC":
+                raise ValueError(f"unknown record {op!r}")
+            else:
                 freed = self.collect()
                 self._reply(client, {"freed": [[f.name, f.size] for f in freed][:500],
                                      "count": len(freed),
@@ -255,9 +249,6 @@ class Daemon:
         now = time.monotonic()
         for name in [n for n, t in self.created.items() if n not in present and now - t > _CREATED_GRACE]:
             del self.created[name]
-            self.flight.pop(name, None)
-        for name in [n for n in self.flight if n not in present and n not in self.created]:
-            del self.flight[name]
         candidates = [f for f in files if not fs.process_alive(*f.creator)]
         if not candidates:
             return []
@@ -265,13 +256,11 @@ class Daemon:
         freed = []
         for f in candidates:
             known = f.name in self.created
-            in_flight = self.flight.get(f.name, 0) if known else None
-            if fs.is_orphan(f, mapped, in_flight, self.program_alive(f.program)):
+            if fs.is_orphan(f, mapped, known, known or self.program_alive(f.program), self.shm):
                 if fs.unlink(f.name, self.shm):
                     freed.append(f)
                     self._say(f"removed {f.name} ({f.size} bytes)")
                 self.created.pop(f.name, None)
-                self.flight.pop(f.name, None)
         return freed
 
     def _remove_files(self) -> None:
@@ -315,7 +304,7 @@ class Daemon:
 def _bind(shm: str) -> tuple[socket.socket, object, int] | None:
     """Take the lock and bind the socket; None if another daemon holds the lock."""
     rundir = runtime_dir()
-    key = _key(shm)
+    key = f"{_key(shm)}-g{GENERATION}"
     lock_fd = os.open(os.path.join(rundir, f"daemon-{key}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

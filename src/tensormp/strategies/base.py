@@ -81,6 +81,9 @@ class Strategy(ABC):
     def remove(self, seg: Segment) -> None:  # noqa: B027 - most strategies have nothing to do
         """The creator lets ``seg`` go, and no handle to it is out: drop its name, if any."""
 
+    def unmapped(self, seg: Segment) -> None:  # noqa: B027
+        """``seg`` was unmapped in this process (any process, creator or not)."""
+
     def sent(self, refs: Iterable[str]) -> None:  # noqa: B027
         """(``counts_handles``) one message carrying each of ``refs`` is about to leave."""
 

@@ -1,47 +1,74 @@
-"""The ``file_system`` strategy's named segments: names, files, and when one is an orphan.
+"""The ``file_system`` strategy's named segments: names, files, tokens, and when one is an orphan.
 
 Files and names
 ---------------
 A named segment is a file in the *shm directory* (``$TENSORMP_SHM_DIR``, default
 ``/dev/shm``), created ``O_EXCL`` with mode 0600 and reserved with ``posix_fallocate`` (a full
 tmpfs fails there with ``ENOSPC``, in the caller, never with a later ``SIGBUS``). Its name
-carries everything needed to decide, with no daemon state, whether anyone can still need it::
+carries what is needed to find its creator, with no daemon state::
 
     tensormp-<uid>-<creator pid>-<creator start>-<program pid>-<program start>-<32 hex>
 
 ``start`` is a process's start time in clock ticks since boot: a (pid, start) pair names a
 process for good, a pid alone does not (pids are reused). The *program* is the process tree a
-segment belongs to: the process that first used tensormp without having been started by a
-tensormp context is its root, and every process a tensormp context starts (fork, spawn,
-forkserver; ``Pool`` and ``spawn()`` workers included) inherits the root's id. The 128 random
-bits make names unguessable. No fd is kept: a process maps the file and closes it at once, so
-thousands of live segments cost no fds.
+segment belongs to (every process a tensormp context starts inherits its root's id); ``tensormp
+ls`` shows it. The 128 random bits make names unguessable. A process maps the file and closes
+its fd at once, so thousands of live segments cost no fds.
+
+Tokens: who may still need a name
+---------------------------------
+A message never carries a bare name: with each segment it refers to, it carries a *token*, an
+fd of the segment's file whose open file description (OFD) holds an OFD read lock on byte 0
+(``F_OFD_SETLK``), attached to the message as ``SCM_RIGHTS`` like any fd. The sender opens the
+token by name (it is the creator, or it maps the segment); the receiver maps the segment
+*through the token* and closes it, so it never opens the name. The kernel keeps an OFD lock as
+long as any reference to the OFD exists: an fd in a process, an fd in flight in a socket, or a
+mapping made through it. So the lock exists exactly while a message carrying the segment can
+still be read, or a process maps it through a token, and it goes with no help from anyone:
+
+* a sender killed before its ``sendmsg``: its fds close, the token with them;
+* a message in flight: the socket holds the token until the message is read, or until the
+  socket itself goes (every process that had the queue or pipe is gone);
+* a receiver killed after its ``recvmsg``: its fds and mappings close, the token with them.
+
+A sender keeps the tokens of its last ``_TOKEN_CACHE`` segments open and attaches the same OFD
+to every message for them (no syscall per message); at most that many fds, plus one per segment
+of messages still waiting in a feeder thread. A forwarder (a receiver sending on an array it
+got) maps through a token, so the lock protects the name it opens. The creator maps its file
+through an OFD without the lock (its own liveness protects the name); a fork child that
+inherits that mapping and outlives the creator is seen by the maps check below.
 
 Who may remove a file
 ---------------------
 * Its *creator*, while it lives: when its allocator lets the segment go (every block back,
   none held by another process), and at exit for segments none of whose blocks ever left it.
-* Once the creator is dead: the cleanup daemon (``_daemon.py``) or ``tensormp gc``, and only
-  when :func:`is_orphan` says so: **no live process maps the file** (``/proc/<pid>/maps``), and
-  **no message carrying it can still be read**. The daemon knows the second from its clients'
-  records (sent minus received handles, see ``_client.py``); without that knowledge (a daemon
-  restarted after a crash, or ``gc`` with no daemon) a handle may sit unread in a queue for as
-  long as any process of the program lives, so the file is kept until the program's root and
-  every process of it are gone.
+* Once the creator is dead: the cleanup daemon (``_daemon.py``) or ``tensormp gc``, when
+  :func:`is_orphan` says so: **no live process maps the file** (``/proc/<pid>/maps``, for
+  mappings made without a token, by hand) and **no token of it exists** (``F_OFD_GETLK``). One
+  kernel call answers the second, atomically, with no record of who sent what, so a killed
+  process's files go at the next collection (about a second) after its death.
+* The token rule holds for files the daemon saw announced (``C``, sent before the file is
+  created) by a client of its own protocol. For any other file (a daemon restarted after a
+  crash, ``gc`` with no daemon, a file of an older tensormp whose messages carry bare names)
+  the daemon cannot tell whether a bare name is in flight, so it keeps the file until the
+  program's root and every process of it are gone, as before tokens.
 
 A mapping keeps the memory valid after the name is removed, so removing a name never breaks a
-process that holds the segment; the name is only needed by a process that has not opened it
-yet (a handle in flight), which is what the rules above protect.
+process that holds the segment.
 """
 
 from __future__ import annotations
 
+import collections
 import errno
+import fcntl
 import os
 import stat
-from collections.abc import Iterable
+import struct
+import threading
+import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import FdLimitError, HandleError, SharedMemoryError
 from ..liveness import process_alive, process_start_time
@@ -64,6 +91,7 @@ __all__ = [
     "unlink",
     "list_segment_files",
     "mapped_names",
+    "carried",
     "is_orphan",
     "process_alive",
     "process_start_time",
@@ -82,6 +110,13 @@ def shm_dir() -> str:
 # The program id lives in the package (strategies/__init__.py), so that the fork hook that
 # passes it on is registered whatever the strategy, and without importing this module.
 from . import program, set_program  # noqa: E402
+
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock (LP64 Linux): type, whence, start, len, pid
+_F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
+_F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
+_TOKEN_LOCK = _FLOCK.pack(fcntl.F_RDLCK, 0, 0, 1, 0)  # what a token holds
+_PROBE = _FLOCK.pack(fcntl.F_WRLCK, 0, 0, 1, 0)  # conflicts with any token
+_TOKEN_CACHE = 16  # segments whose token a sender keeps open
 
 _self: tuple[int, int] | None = None
 
@@ -198,12 +233,14 @@ def create(name: str, size: int) -> int:
     return fd
 
 
-def open_named(name: str) -> int:
-    """Open the named segment ``name`` (received in a handle); returns an fd.
+def open_named(name: str, token: bool = False) -> int:
+    """Open the named segment ``name``; returns an fd (with the token lock if ``token``: see
+    the module notes).
 
     Raises:
         HandleError: the name is malformed, or the file is gone or is not a private regular
             file of this user.
+        FdLimitError: this process is out of fds.
     """
     info = parse_name(name)
     if info is None:
@@ -213,19 +250,29 @@ def open_named(name: str) -> int:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
         raise HandleError(
-            f"the shared-memory file {path} of a received array no longer exists: it was removed "
-            "after every process that could hold it had exited (or by hand, or another "
-            "TENSORMP_SHM_DIR is set here than in the sender)"
+            f"cannot send an array whose shared-memory file {path} no longer exists: it was "
+            "removed by hand (or another TENSORMP_SHM_DIR is set here than where it was made); "
+            "copy the array (a.copy()) to send its contents"
         ) from None
     except OSError as e:
+        if e.errno in (errno.EMFILE, errno.ENFILE):
+            raise FdLimitError(
+                e.errno, f"cannot open {path} to send it: this process is out of file "
+                f"descriptors ({e.strerror}); raise the limit (ulimit -n)",
+            ) from None
         raise HandleError(f"cannot open the shared-memory file {path}: {e.strerror}") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise HandleError(
+                f"refusing {path}: not a regular file private to uid {os.getuid()} "
+                f"(owner {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})"
+            )
+        if token:
+            fcntl.fcntl(fd, _F_OFD_SETLK, _TOKEN_LOCK)  # read locks never conflict
+    except BaseException:
         os.close(fd)
-        raise HandleError(
-            f"refusing {path}: not a regular file private to uid {os.getuid()} "
-            f"(owner {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})"
-        )
+        raise
     return fd
 
 
@@ -292,37 +339,121 @@ def mapped_names(directory: str | None = None) -> dict[str, set[int]]:
     return out
 
 
+def carried(name: str, directory: str | None = None) -> bool:
+    """Whether a token of the file ``name`` exists (see the module notes): a message carrying
+    it can still be read, or a process maps it through one. False when the file is gone."""
+    try:
+        fd = os.open(_path(name, directory), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        got = fcntl.fcntl(fd, _F_OFD_GETLK, _PROBE)
+    finally:
+        os.close(fd)
+    return bool(_FLOCK.unpack(got)[0] != fcntl.F_UNLCK)
+
+
 def is_orphan(
     info: SegmentFile,
     mapped: dict[str, set[int]],
-    in_flight: int | None,
+    known: bool,
     program_alive: bool,
+    directory: str | None = None,
 ) -> bool:
     """True when nobody can need ``info`` any more (see the module notes).
 
     Args:
         mapped: the result of :func:`mapped_names` (taken after the creator was seen dead).
-        in_flight: handles sent minus handles received, as the daemon counted them; None when
-            unknown (the daemon did not see the segment created).
+        known: the file was made by a process that sends tokens (the daemon saw it created);
+            otherwise a message may carry its bare name, and only the program's end tells.
         program_alive: whether any process of the segment's program still lives.
+        directory: the shm directory (default: the current one).
     """
     if process_alive(*info.creator):
         return False
     if info.name in mapped:
         return False
-    if in_flight is None or in_flight > 0:
+    if not known:
         return not program_alive
-    return True
+    return not carried(info.name, directory)
+
+
+class _Token:
+    """An fd of a segment's file holding the token lock (module notes); closed when the last
+    message and cache entry referring to it are gone, and only by the process that opened it."""
+
+    __slots__ = ("fd", "pid", "__weakref__")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.pid = os.getpid()
+        _live_tokens.add(self)
+
+    def close(self, _close: Any = os.close, _getpid: Any = os.getpid) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0 and self.pid == _getpid():
+            _close(fd)
+
+    __del__ = close
+
+
+_live_tokens: weakref.WeakSet[_Token] = weakref.WeakSet()
+_tokens: collections.OrderedDict[bytes, _Token] = collections.OrderedDict()  # segment id ->
+_tokens_lock = threading.Lock()
+
+
+def _token_for(seg: Segment) -> _Token:
+    """This process's token for ``seg``: the cached one, or a new one (the oldest of more than
+    ``_TOKEN_CACHE`` is dropped from the cache; messages that carry it keep it open)."""
+    with _tokens_lock:
+        token = _tokens.get(seg.id)
+        if token is not None and token.fd >= 0:
+            _tokens.move_to_end(seg.id)
+            return token
+        token = _tokens[seg.id] = _Token(open_named(seg.name, token=True))
+        if len(_tokens) > _TOKEN_CACHE:
+            _tokens.popitem(last=False)
+        return token
+
+
+def _drop_token(seg: Segment) -> None:
+    with _tokens_lock:
+        _tokens.pop(seg.id, None)
+
+
+def _name_of(fd: int) -> str:
+    """The file name a received token was opened with (``/proc/self/fd``)."""
+    try:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError as e:
+        raise HandleError(f"cannot read the name of a received segment fd: {e.strerror}") from None
+    name = os.path.basename(path.removesuffix(" (deleted)"))
+    if parse_name(name) is None:
+        raise HandleError(f"a file_system handle's fd is {path!r}, not a tensormp segment (corrupt message)")
+    return name
+
+
+def _after_fork_in_child() -> None:
+    for token in list(_live_tokens):
+        fd, token.fd = token.fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    _tokens.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class FileSystem(Strategy):
-    """Named files in the shm directory; handles carry the name, and the cleanup daemon is
-    told of every segment created and of every message carrying one (``_client.py``)."""
+    """Named files in the shm directory; a handle carries a token of the file (module notes),
+    and the cleanup daemon (``_daemon.py``) removes the files nobody can need any more."""
 
     name = "file_system"
     code = ord("n")
     keeps_fd = False
-    counts_handles = True
 
     def create(self, size: int, kind: str) -> Segment:
         from . import _client
@@ -344,7 +475,7 @@ class FileSystem(Strategy):
                 "raise the container's memory limit, or send smaller arrays.",
             )
         name = new_name()
-        _client.created(name)  # before the file exists: the daemon then knows its history
+        _client.created(name)  # a daemon runs before the file exists
         fd = create(name, size)  # reserved with posix_fallocate; ENOSPC raises here
         seg = Segment(bytes.fromhex(name[-32:]), fd, size, os.getpid(), kind, self, name)
         # The pages are reserved; map them now too, so the first copy runs at memory speed.
@@ -352,25 +483,26 @@ class FileSystem(Strategy):
         return seg
 
     def reference(self, msg: Message, seg: Segment) -> int | str:
-        return msg.add_counted(self, seg.name)
+        token = _token_for(seg)
+        return msg.add_fd(token.fd, seg.id, token)
 
     def attach(
         self, seg_id: bytes, ref: int | str, size: int, creator_pid: int, kind: str,
         take_fd: TakeFd,
     ) -> Segment:
-        if type(ref) is not str:
-            raise HandleError(f"a file_system handle carries a file name, not {ref!r} (corrupt message)")
-        return Segment(seg_id, open_named(ref), size, creator_pid, kind, self, ref)
+        if type(ref) is not int:
+            raise HandleError(f"a file_system handle carries a token's fd index, not {ref!r} (corrupt message)")
+        fd = take_fd(ref)
+        try:
+            name = _name_of(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        # Mapped through the token: the mapping keeps its lock (module notes).
+        return Segment(seg_id, fd, size, creator_pid, kind, self, name)
 
     def remove(self, seg: Segment) -> None:
         unlink(seg.name)
 
-    def sent(self, refs: Iterable[str]) -> None:
-        from . import _client
-
-        _client.sent(refs)
-
-    def received(self, refs: Iterable[str]) -> None:
-        from . import _client
-
-        _client.received(refs)
+    def unmapped(self, seg: Segment) -> None:
+        _drop_token(seg)  # its file's memory must not outlive the last mapping in our cache
