@@ -58,9 +58,14 @@ def test_parent_dataloader_over_a_dataset_a_joined_process_had(tmp_path):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("channel", ["stdlib", "torch"])
-def test_plain_queues_carry_tensormp_tensors_shared_both_ways(tmp_path, channel):
-    out = _run([str(SCRIPTS / "torch_stdlib_channels.py"), channel], tmp_path, 230)
+@pytest.mark.parametrize("args", [
+    ("stdlib", "spawn", "file_descriptor"),
+    ("torch", "spawn", "file_descriptor"),
+    ("stdlib", "forkserver", "file_system"),
+    pytest.param(("torch", "fork", "file_descriptor"), marks=pytest.mark.slow),
+], ids="-".join)
+def test_plain_queues_carry_tensormp_tensors_shared_both_ways(tmp_path, args):
+    out = _run([str(SCRIPTS / "torch_stdlib_channels.py"), *args], tmp_path, 230)
     assert out == {
         "child_sees_shared": [True, True],
         "parent_sees_child_writes": [1000.0, 10.0],
@@ -73,6 +78,44 @@ def test_plain_queues_carry_tensormp_tensors_shared_both_ways(tmp_path, channel)
         "plain_same": True,
         "fds_grew": 0,
     }
+
+
+KILLED = """
+import json, multiprocessing, os, signal, time
+import torch, tensormp as mp
+
+def child(q, out):
+    t = q.get(timeout=60)
+    out.put(os.getpid())
+    time.sleep(120)
+
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context("spawn")
+    t = mp.share(torch.zeros(1 << 20))
+    q, out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=child, args=(q, out))
+    p.start()
+    q.put(t)
+    out.get(timeout=60)
+    del t  # the child is the only holder now
+    held = mp.memory_stats()["remote_held_bytes"]
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(30)
+    deadline = time.monotonic() + 10
+    while mp.memory_stats()["remote_held_bytes"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print(json.dumps({"held_while_alive": held,
+                      "held_after_kill": mp.memory_stats()["remote_held_bytes"]}))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_receiver_of_a_plain_queue_does_not_pin_the_block(tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED)
+    out = _run([str(script)], tmp_path, 110)
+    assert out["held_while_alive"] >= 4 << 20  # counted while the child held it...
+    assert out["held_after_kill"] == 0  # ...and given back once it was SIGKILLed
 
 
 @pytest.mark.timeout(400)

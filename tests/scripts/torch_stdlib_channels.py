@@ -1,7 +1,8 @@
 """torch's own channels carrying tensors in tensormp memory (``reducers/torch_stdlib.py``).
 
-Usage: ``torch_stdlib_channels.py CHANNEL`` with CHANNEL ``stdlib`` (``multiprocessing``'s
-spawn context) or ``torch`` (``torch.multiprocessing``'s). A spawn child of that context gets
+Usage: ``torch_stdlib_channels.py CHANNEL METHOD STRATEGY``: CHANNEL ``stdlib``
+(``multiprocessing``) or ``torch`` (``torch.multiprocessing``), METHOD the start method of its
+context, STRATEGY tensormp's sharing strategy. A child of that context gets
 a tensormp-shared tensor as a ``Process`` argument and another on a ``Queue``; writes must be
 seen both ways, a tensor sent back must arrive as the parent's own storage, and once the child
 has exited the parent must hold nothing for it. Prints one JSON line.
@@ -33,10 +34,11 @@ def fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def main(channel):
+def main(channel, method, strategy):
     import multiprocessing
 
-    ctx = (torch.multiprocessing if channel == "torch" else multiprocessing).get_context("spawn")
+    mp.set_sharing_strategy(strategy)
+    ctx = (torch.multiprocessing if channel == "torch" else multiprocessing).get_context(method)
     res = {}
     arg = mp.share(torch.zeros(1000))  # tensormp memory: a large block, and ...
     t = torch.zeros(10)
@@ -91,4 +93,4 @@ def main(channel):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:4])

@@ -76,7 +76,8 @@ CUDA error or a crash. ``.grad`` and the conjugate/negative bits travel as for C
 
 What this module changes in torch
 ---------------------------------
-Loading it wraps five methods of ``torch.UntypedStorage``, and nothing else:
+Loading it wraps five methods of ``torch.UntypedStorage`` and (``reducers/torch_stdlib.py``)
+torch's ``ForkingPickler`` reducer of ``UntypedStorage``, and nothing else:
 
 * ``is_shared()``: also True for tensormp memory (so ``Tensor.is_shared()`` is).
 * ``share_memory_()``: a no-op for tensormp memory (already shared; torch would move it).
@@ -521,10 +522,17 @@ def _refuse_torch_move(storage: Any, method: str) -> None:
     found = find_block(view)
     if found is None or not held_elsewhere(found[0]):
         return  # no other process holds it (any more): torch may move it, as any private one
+    block = found[0]
+    if not block.owned or block.owner_pid != os.getpid():
+        why = f"it was received from process {block.segment.creator_pid}"
+    elif block.pinned:
+        why = "a child forked since may map it"
+    else:
+        why = f"{block.remote} handle(s) to it are held or in flight in other processes"
     raise HandleError(
         f"torch's UntypedStorage.{method} cannot share this storage of {storage.nbytes()} "
-        "bytes: it is in tensormp shared memory that another process may still hold, and "
-        "torch would move it into its own shared memory, silently cutting it off from those "
+        f"bytes: it is in tensormp shared memory that another process may still hold ({why}), "
+        "and torch would move it into its own shared memory, silently cutting it off from those "
         "processes. tensormp's reducer on multiprocessing's ForkingPickler carries such "
         "storages through plain multiprocessing and torch.multiprocessing queues, pipes and "
         "DataLoaders; this call came from elsewhere (torch's reducer called directly). Use a "

@@ -53,7 +53,13 @@ from torch.multiprocessing import reductions as _torch_reductions
 
 from .. import memory
 from ..errors import HandleError
-from ..memory.allocator import find_block, flush_records, forget_received, note_handle, process_exiting
+from ..memory.allocator import (
+    find_block,
+    flush_records,
+    forget_received,
+    note_handle,
+    process_exiting,
+)
 from ..memory.segment import STRATEGY_AT, Segment, unpack_wire
 from ..strategies import counting
 from . import Message
@@ -97,10 +103,10 @@ class _SegmentFd:
 
 
 def _carrier(seg: Segment, fd: int) -> _SegmentFd:
-    popen = multiprocessing.context.get_spawning_popen()  # type: ignore[attr-defined]
+    popen = multiprocessing.context.get_spawning_popen()
     if popen is None:  # a queue, a pipe: one resource_sharer dup per storage sent
         return _SegmentFd(DupFd(fd))
-    carriers = popen.__dict__.setdefault("_tensormp_fds", {})
+    carriers: dict[bytes, _SegmentFd] = popen.__dict__.setdefault("_tensormp_fds", {})
     carrier = carriers.get(seg.id)
     if carrier is None:
         carrier = carriers[seg.id] = _SegmentFd(DupFd(fd))
@@ -156,10 +162,10 @@ def _rebuild_storage_stdlib(
 ) -> Any:
     carrier = ref if isinstance(ref, _SegmentFd) else None
     try:
-        root = memory.attach(
-            wire, carrier.take if carrier is not None else _no_fd,
-            0 if carrier is not None else ref, block_offset, capacity, token, True,
-        )
+        if carrier is not None:
+            root = memory.attach(wire, carrier.take, 0, block_offset, capacity, token, True)
+        else:
+            root = memory.attach(wire, _no_fd, str(ref), block_offset, capacity, token, True)
     except Exception:
         # Never held here: give the creator its count back (as reducers/numpy.py).
         seg_id, _size, creator_pid, _kind, _code, owner_addr = unpack_wire(wire)
