@@ -514,6 +514,8 @@ def _share_memory_(self: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _refuse_torch_move(storage: Any, method: str) -> None:
+    if not _owned or storage.data_ptr() not in _owned:
+        return  # not tensormp memory (no lock: a miss is final, a hit is checked below)
     with _lock:
         entry = _entry(storage)
         view = entry.ref() if entry is not None else None

@@ -126,7 +126,10 @@ def _reference(seg: Segment) -> _SegmentFd | str:
 def reduce_storage_stdlib(storage: Any) -> Any:
     """``ForkingPickler``'s reducer of ``torch.UntypedStorage`` (see the module notes)."""
     view = None
-    if storage.device.type == "cpu" and storage.nbytes():
+    owned = _t._owned
+    # Every other storage costs one dict look-up here (no lock: a miss is final, a hit is
+    # checked again under the lock).
+    if owned and storage.data_ptr() in owned:
         with _t._lock:
             entry = _t._entry(storage)
             if entry is not None:
