@@ -118,6 +118,36 @@ def test_a_killed_receiver_of_a_plain_queue_does_not_pin_the_block(tmp_path):
     assert out["held_after_kill"] == 0  # ...and given back once it was SIGKILLed
 
 
+SENDER_GONE = """
+import json, multiprocessing
+import torch, tensormp as mp
+
+def child(q):
+    q.put(mp.share(torch.ones(8)))  # the feeder flushes it before the child exits
+
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=child, args=(q,))
+    p.start()
+    p.join(60)
+    try:
+        q.get(timeout=30)
+        print(json.dumps({"error": None}))
+    except mp.HandleError as e:
+        print(json.dumps({"error": str(e)}))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_plain_queue_item_whose_sender_exited_is_a_clear_error(tmp_path):
+    script = tmp_path / "gone.py"
+    script.write_text(SENDER_GONE)
+    out = _run([str(script)], tmp_path, 110)
+    assert out["error"] is not None and "its sender has exited" in out["error"]
+    assert "use a tensormp Queue or Pipe" in out["error"]
+
+
 @pytest.mark.timeout(400)
 def test_mnist_hogwild_with_the_import_swapped_trains_as_with_torch(tmp_path):
     """pytorch/examples' mnist_hogwild on the digits data, run as written (torch.multiprocessing)

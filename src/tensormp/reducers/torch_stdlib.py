@@ -89,7 +89,16 @@ class _SegmentFd:
         df, self._df = self._df, None
         if df is None:
             raise HandleError("a tensormp segment's fd was taken twice (corrupt message)")
-        return int(df.detach())
+        try:
+            return int(df.detach())
+        except (OSError, EOFError) as e:
+            raise HandleError(
+                "cannot receive a tensor in tensormp shared memory from a plain multiprocessing "
+                f"or torch.multiprocessing channel: its sender has exited ({e!r}), and such a "
+                "channel fetches the memory's fd from the sender when the tensor is read (as "
+                "torch's file_descriptor strategy does). Keep the sender alive until the tensor "
+                "is read, or use a tensormp Queue or Pipe (the fd travels inside the message)"
+            ) from e
 
     def discard(self) -> None:
         """Close the fd if no rebuild took it (the segment was mapped here already). It is
