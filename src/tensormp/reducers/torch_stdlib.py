@@ -31,8 +31,9 @@ about a second. Between pickling and that announce (a message never read, a pick
 failed after this storage, a receiver killed while unpickling): the block stays pinned in its
 creator until the creator exits; held longer, never reused too early. Of the sender: a child
 being started has inherited its fds already; a ``resource_sharer`` dup dies with the sender, so
-a receiver that unpickles after the sender died gets an error (as with torch); a named segment
-follows the ``file_system`` rules. Of the creator: receivers keep valid memory.
+a receiver that unpickles after the sender died gets ``HandleError`` (torch: a refused
+connection), and its count goes back to the creator; a named segment follows the
+``file_system`` rules. Of the creator: receivers keep valid memory.
 
 What is refused: nothing that goes through ``ForkingPickler``. Only a direct call of torch's
 ``UntypedStorage._share_fd_cpu_``/``_share_filename_cpu_`` (``reducers/torch.py``) would move a
