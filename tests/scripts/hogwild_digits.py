@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import torch.optim as optim
 
 EPOCHS = 1
-BATCH = 32
+BATCH = 8
 PROCESSES = 2
 SEED = 1
 
