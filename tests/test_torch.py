@@ -442,18 +442,21 @@ def main(order):
     a.send(t)
     res["tensormp_reducer_won"] = rt.in_tensormp_memory(t.untyped_storage())
     res["came_back_same"] = b.recv().untyped_storage()._cdata == t.untyped_storage()._cdata
-    # A plain stdlib pipe uses torch's reducers: memory another process holds is refused...
+    # A plain stdlib pipe (the global ForkingPickler, torch's reducers) carries tensormp
+    # memory as tensormp memory: the same storage comes back, nothing is moved.
     s, r = multiprocessing.Pipe()
-    try:
-        s.send(t)
-        res["stdlib_sent_exported"] = True
-    except mp.HandleError as e:
-        res["stdlib_refused"] = "tensormp Queue" in str(e)
-    # ...tensormp memory nobody else holds is moved into torch's memory, as torch does.
+    s.send(t)
+    res["stdlib_same"] = r.recv().untyped_storage()._cdata == t.untyped_storage()._cdata
     fresh = mp.share(torch.zeros(3))
     s.send(fresh)
-    res["stdlib_moved"] = r.recv().is_shared() and not rt.in_tensormp_memory(
-        fresh.untyped_storage())
+    res["stdlib_kept"] = (r.recv().untyped_storage()._cdata == fresh.untyped_storage()._cdata
+                          and rt.in_tensormp_memory(fresh.untyped_storage()))
+    # A private tensor still goes through torch's reducer, into torch's shared memory.
+    plain = torch.ones(2)
+    s.send(plain)
+    r.recv()
+    res["stdlib_torch_own"] = plain.is_shared() and not rt.in_tensormp_memory(
+        plain.untyped_storage())
     if order == "tensormp-first":
         ctx = mp.get_context("spawn")
         q, out = ctx.Queue(), ctx.Queue()
@@ -480,8 +483,7 @@ def test_import_order_and_plain_stdlib_channels(tmp_path, order):
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["tensormp_reducer_won"] and out["came_back_same"]
-    assert out.get("stdlib_refused") is True, out
-    assert out["stdlib_moved"]
+    assert out["stdlib_same"] and out["stdlib_kept"] and out["stdlib_torch_own"], out
     if order == "tensormp-first":
         assert out["child_torch_before"] is False  # a child that never touches torch
         assert out["child_after"] == [True, [0, 1, 2]]

@@ -64,6 +64,7 @@ __all__ = [
     "release_all_received",
     "process_exiting",
     "register_holder",
+    "held_elsewhere",
     "flush_records",
     "memory_stats",
     "empty_cache",
@@ -323,6 +324,26 @@ def register_holder(pid: int, blocks: list[Block]) -> None:
                 holds.holders_add(block, (pid, start), 1)
         if start is not None:
             st.start_times[pid] = start
+
+
+def held_elsewhere(block: Block) -> bool:
+    """Whether a process other than this one may hold ``block`` (or a handle to it in flight).
+
+    Exact for a block this process created: every release already in its socket is counted and
+    the holds of dead processes are dropped first, so a block whose other holders all exited is
+    not held elsewhere. A block alive at a fork (a child may map it) or received from another
+    process (its creator, and maybe others, may hold it) always is.
+    """
+    st = _state
+    if not (block.owned and block.owner_pid == st.arenas.pid) or block.pinned:
+        return True
+    server = st.server
+    if server is not None:
+        server.drain()
+    with st:
+        if block.remote:
+            holds.sweep_dead_holders(st)
+        return block.remote > 0
 
 
 def flush_records() -> None:

@@ -27,7 +27,9 @@ Registration: tensormp does **not** register array reducers on the global stdlib
 Numpy arrays put on a plain ``multiprocessing.Queue`` keep being pickled by value; tensormp's
 own queues, pipes, pools and processes always use tensormp's reducers, whether torch (which
 does patch the global pickler) was imported before or after tensormp. The only global
-registration is for tensormp's own ``Connection`` type, which the stdlib could not pickle.
+registrations are tensormp's own ``Connection`` type, which the stdlib could not pickle, and, once
+``reducers/torch.py`` has loaded, torch's ``UntypedStorage``: a storage in tensormp memory then
+crosses torch's own channels as a handle to its block (``reducers/torch_stdlib.py``).
 
 The array libraries (:data:`LIBRARIES`, the one table of them): each maps to a reducer module
 (``reducers/numpy.py``, ``reducers/torch.py``) that registers its reduce functions here

@@ -78,22 +78,27 @@ CUDA error or a crash. ``.grad`` and the conjugate/negative bits travel as for C
 
 What this module changes in torch
 ---------------------------------
-Loading it wraps five methods of ``torch.UntypedStorage``, and nothing else:
+Loading it wraps five methods of ``torch.UntypedStorage`` and (``reducers/torch_stdlib.py``)
+torch's ``ForkingPickler`` reducer of ``UntypedStorage``, and nothing else:
 
 * ``is_shared()``: also True for tensormp memory (so ``Tensor.is_shared()`` is).
 * ``share_memory_()``: a no-op for tensormp memory (already shared; torch would move it).
-* ``_share_fd_cpu_()``/``_share_filename_cpu_()``, which torch's reducers call when a tensor
-  goes through a plain ``multiprocessing`` or ``torch.multiprocessing`` channel: a tensormp
-  storage no other process holds yet is moved into torch's shared memory, as torch does with
-  any private storage; one already handed to another process (sent, received, or inherited by
-  a forked child) raises ``HandleError``, because moving it would silently stop it being shared.
+* ``_share_fd_cpu_()``/``_share_filename_cpu_()``, which torch's reducers call to move a
+  storage into torch's shared memory: for tensormp memory no other process holds (any more:
+  ``memory.allocator.held_elsewhere``), torch moves it, as any private storage; otherwise they
+  raise ``HandleError`` naming the fix, because moving it would silently stop it being
+  shared. torch's reducers do not reach them for tensormp memory any more: see below.
 * ``_new_shared()`` (``DataLoader`` workers collate each batch straight into it): in a process
   started by tensormp, it allocates tensormp memory, so batches cross as handles with no copy.
 
 Registration: ``reducers/__init__.py`` imports this module when it pickles and ``torch`` is in
 ``sys.modules`` (never importing torch itself); a rebuild function imports it in a receiver.
-Inside tensormp's channels these reducers win over torch's, whichever was imported first;
-the global stdlib pickler keeps torch's.
+Inside tensormp's channels these reducers win over torch's, whichever was imported first. On
+the global stdlib ``ForkingPickler`` (plain ``multiprocessing``/``torch.multiprocessing``
+channels, ``DataLoader`` workers under torch's contexts) torch's reducers stay, except for the
+one of ``UntypedStorage``, which ``reducers/torch_stdlib.py`` wraps: a storage in tensormp
+memory crosses there as a handle to its block, shared with every holder (its protocol note);
+any other storage goes to torch's reducer unchanged.
 """
 
 from __future__ import annotations
@@ -112,6 +117,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..errors import HandleError
 from ..memory import allocate, find_block
+from ..memory.allocator import held_elsewhere
 from ..memory.release import process_start_time
 from . import current_message, mark_loaded, register, take_fd
 from . import numpy as _numpy_reducers  # noqa: F401 - the storage handle is an ndarray handle
@@ -519,16 +525,32 @@ def _share_memory_(self: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _refuse_torch_move(storage: Any, method: str) -> None:
+    if not _owned or storage.data_ptr() not in _owned:
+        return  # not tensormp memory (no lock: a miss is final, a hit is checked below)
     with _lock:
         entry = _entry(storage)
-        if entry is None or not entry.exported:
-            return  # private, or tensormp memory no other process holds: torch may move it
+        view = entry.ref() if entry is not None else None
+    if view is None:
+        return  # not tensormp memory: torch's business
+    found = find_block(view)
+    if found is None or not held_elsewhere(found[0]):
+        return  # no other process holds it (any more): torch may move it, as any private one
+    block = found[0]
+    if not block.owned or block.owner_pid != os.getpid():
+        why = f"it was received from process {block.segment.creator_pid}"
+    elif block.pinned:
+        why = "a child forked since may map it"
+    else:
+        why = f"{block.remote} handle(s) to it are held or in flight in other processes"
     raise HandleError(
-        f"torch's reducers (UntypedStorage.{method}) cannot send this storage of "
-        f"{storage.nbytes()} bytes: it is in tensormp shared memory that another process "
-        "already holds, and torch would move it into its own shared memory, silently cutting "
-        "it off from those processes. Send it through a tensormp Queue, Pipe, Pool or Process "
-        "(not a plain multiprocessing or torch.multiprocessing one), or send a copy (t.clone())"
+        f"torch's UntypedStorage.{method} cannot share this storage of {storage.nbytes()} "
+        f"bytes: it is in tensormp shared memory that another process may still hold ({why}), "
+        "and torch would move it into its own shared memory, silently cutting it off from those "
+        "processes. tensormp's reducer on multiprocessing's ForkingPickler carries such "
+        "storages through plain multiprocessing and torch.multiprocessing queues, pipes and "
+        "DataLoaders; this call came from elsewhere (torch's reducer called directly). Use a "
+        "tensormp channel: DataLoader(..., multiprocessing_context=tensormp.get_context("
+        "'spawn')), a tensormp Queue, Pipe, Pool or Process; or send a copy (t.clone())"
     )
 
 
@@ -608,4 +630,7 @@ register(torch.storage.TypedStorage, _torch_reductions.reduce_typed_storage)
 for _cls in torch._storage_classes:  # the legacy typed storages (torch.FloatStorage...)
     if _cls is not torch.UntypedStorage:
         register(_cls, _reduce_legacy_storage)
+# torch's own channels (ForkingPickler): tensormp storages cross as handles there too.
+from . import torch_stdlib  # noqa: E402,F401
+
 mark_loaded(__name__)
