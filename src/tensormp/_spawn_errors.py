@@ -4,7 +4,7 @@ Protocol note
 -------------
 The parent builds one exception per failed run from a :class:`ProcessFailure` per failed rank
 (what the rank's report channel and exit status told it, ``_spawn_context.py``). ``str(e)`` is
-torch's message for the first failure alone (:func:`torch_message`); everything else is in
+torch's message for the first failure alone (``_torch_message``); everything else is in
 ``e.failures`` and in the exception's notes (PEP 678), which the traceback printer shows after
 the message on Python >= 3.11 and which open the message on 3.10 (:func:`failure_exception`).
 
