@@ -71,17 +71,17 @@ from ._spawn_errors import (
 )
 from ._spawn_rank import spawn_entry
 
-__all__ = [
-    "ProcessContext",
-    "SpawnContext",
+__all__ = [  # in the order of the API page (docs/api/spawn.md)
+    "ProcessFailure",
     "ProcessException",
     "ProcessRaisedException",
     "ProcessExitedException",
     "ProcessTimeoutError",
-    "ProcessFailure",
     "SpawnBootstrapError",
-    "spawn",
+    "ProcessContext",
+    "SpawnContext",
     "start_processes",
+    "spawn",
 ]
 
 # pool/tasks.py imports these two from here until the pool asks _by_value itself (#26 part 2).
