@@ -46,6 +46,12 @@ and why:
 * **Every wait is bounded** by the caller's ``timeout`` (``spawn(..., timeout=s)`` stops the
   ranks still running and raises ``ProcessTimeoutError``, a ``TimeoutError``), or by the
   grace periods.
+
+Where the code is: this module checks the arguments and starts the ranks; ``_spawn_context.py``
+waits for them, stops them and collects their failures (:class:`ProcessContext`);
+``_spawn_errors.py`` has the exceptions and their text; ``_spawn_rank.py`` is what a rank runs
+and ``_spawn_report.py`` what it reports; ``_by_value.py`` decides how ``fn`` travels;
+``elastic.py`` goes beyond one machine.
 """
 
 from __future__ import annotations
