@@ -1,18 +1,40 @@
-"""Functions sent by value: what a child could not import by name travels pickled by cloudpickle.
+"""How a callable travels to a child: by reference (its module and name), or by value.
 
-``spawn()`` and ``Pool`` send a function by reference (module and name, as the stdlib and torch
-do) whenever the child can import it, and wrap anything else (a lambda, a local function, a
-function defined under ``if __name__ == "__main__":``) in :class:`FnByValue`: the cloudpickle
-bytes, made once in the parent, unpickled in the child only when the function is needed. The
-child needs cloudpickle only to *load* the bytes, and imports it then.
+Protocol note
+-------------
+``spawn()`` and ``Pool`` send a callable by reference whenever the child can import it by name
+(as the stdlib and torch do), and pickle anything else by value with cloudpickle, wrapped in
+:class:`FnByValue`: the bytes are made once in the parent and unpickled in the child only when
+the function is needed. The child needs cloudpickle only to *load* the bytes, and imports it
+then; a forked child inherits the callable and gets it by reference.
+
+The rule (:func:`needs_value`): builtins, ``functools.partial`` objects and callable objects go
+by reference (pickled with tensormp's reducers: arrays they hold stay shared); a lambda or a
+local function goes by value; a function or a bound method's class of ``__main__`` goes by
+value when a child that re-imports ``__main__`` would not define it, that is, when its ``def``
+or ``class`` line in the main module's source is indented (under
+``if __name__ == "__main__":``). Without source to read (``python -c``, a notebook) it goes by
+reference, as with the stdlib. Answers are kept per function and class (weakly).
+
+This module imports nothing heavy: every spawn child loads it.
 """
 
 from __future__ import annotations
 
 import pickle
+import sys
+import types
+import weakref
 from typing import Any
 
-__all__ = ["FnByValue"]
+__all__ = [
+    "FnByValue",
+    "needs_value",
+    "defined_at_top_level",
+    "bound_needs_value",
+    "to_value",
+    "prepare",
+]
 
 
 class FnByValue:
@@ -32,3 +54,140 @@ class FnByValue:
 
     def __repr__(self) -> str:
         return f"<fn {self.name} by value, {len(self.data)} bytes>"
+
+
+# -- the rule -----------------------------------------------------------------------------------
+def needs_value(fn: Any) -> bool:
+    """True when a child that re-imports ``__main__`` could not import ``fn`` by name."""
+    if type(fn) is types.MethodType:
+        return bound_needs_value(fn)  # by value only when its class cannot be found by name
+    if type(fn) is not types.FunctionType:
+        # partial, callable object, builtin: by reference (as torch and the stdlib), its object
+        # pickled with tensormp's reducers (arrays in it stay shared)
+        return False
+    if "<" in getattr(fn, "__qualname__", "<"):
+        return True  # a lambda or a local function
+    if getattr(fn, "__module__", None) != "__main__":
+        return False
+    try:
+        top = _main_functions.get(fn)
+    except TypeError:
+        top = None
+    if top is None:
+        top = defined_at_top_level(fn)
+        try:
+            _main_functions[fn] = top
+        except TypeError:
+            pass
+    return not top
+
+
+_main_functions: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def defined_at_top_level(fn: Any) -> bool:
+    """True when a child that re-imports ``__main__`` will find ``fn`` by its name.
+
+    A function of the main module is importable in a spawn child only if its ``def`` runs at
+    import time, i.e. is not inside ``if __name__ == "__main__":``. The check is the def's
+    indentation: a top-level ``def`` starts at column 0. Anything else goes by value.
+    """
+    main = sys.modules.get("__main__")
+    name = getattr(fn, "__name__", None)
+    code = getattr(fn, "__code__", None)
+    if name is None or code is None or getattr(main, name, None) is not fn:
+        return False
+    lines = _main_source(code.co_firstlineno)
+    if len(lines) < code.co_firstlineno:
+        return False
+    line = lines[-1]
+    return bool(line.strip()) and not line[:1].isspace()
+
+
+def _main_source(upto: int) -> list[bytes]:
+    """The first ``upto`` lines of the main module's file ([] when it has none, or it cannot
+    be read)."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not path:
+        return []
+    try:
+        with open(path, "rb") as f:
+            return [line for _, line in zip(range(upto), f)]
+    except OSError:
+        return []
+
+
+def bound_needs_value(fn: Any) -> bool:
+    """For a bound method of an object whose class belongs to ``__main__``: True when a child
+    that re-imports ``__main__`` would not find that class (defined inside a function or under
+    ``if __name__ == "__main__":``), so the method must go by value. Found as for functions:
+    the ``class`` line above the method's ``def`` starts at column 0 for a top-level class."""
+    owner = fn.__self__
+    cls = owner if isinstance(owner, type) else type(owner)
+    if cls.__module__ != "__main__":
+        return False
+    try:
+        known = _main_classes.get(cls)
+    except TypeError:
+        known = None
+    if known is None:
+        known = _main_class_needs_value(cls, fn)
+        try:
+            _main_classes[cls] = known
+        except TypeError:
+            pass
+    return known
+
+
+_main_classes: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
+def _main_class_needs_value(cls: type, fn: Any) -> bool:
+    name = cls.__name__
+    code = getattr(fn.__func__, "__code__", None)
+    if "<" in cls.__qualname__ or getattr(sys.modules.get("__main__"), name, None) is not cls:
+        return True
+    # No source to look at: by reference, as the stdlib.
+    lines = _main_source(code.co_firstlineno) if code is not None else []
+    head = f"class {name}".encode()
+    for line in reversed(lines):
+        text = line.lstrip()
+        if text.startswith(head) and text[len(head) : len(head) + 1] in (b"(", b":", b" "):
+            return line[:1].isspace()
+    return False
+
+
+# -- sending by value ---------------------------------------------------------------------------
+def to_value(fn: Any, name: str, refusal: str) -> FnByValue:
+    """``fn`` pickled by value with cloudpickle; ``name`` names it in reprs.
+
+    Raises:
+        TypeError: cloudpickle is not installed (the message is ``refusal``: what ``fn`` is and
+            the fix).
+    """
+    try:
+        import cloudpickle
+    except ImportError:
+        raise TypeError(refusal) from None
+    return FnByValue(cloudpickle.dumps(fn), name)
+
+
+def prepare(fn: Any, start_method: str) -> Any:
+    """``fn`` as a ``spawn()`` rank started with ``start_method`` gets it: itself (by
+    reference, or inherited under ``fork``), or a :class:`FnByValue`.
+
+    Raises:
+        TypeError: ``fn`` must go by value and cloudpickle is not installed.
+    """
+    if start_method == "fork" or not needs_value(fn):
+        return fn  # under fork: inherited, not pickled
+    qualname = getattr(fn, "__qualname__", "")
+    module = getattr(fn, "__module__", None)
+    return to_value(
+        fn,
+        f"{module}.{qualname}",
+        f"fn={fn!r} is a lambda, a local function or a function defined under "
+        f"`if __name__ == \"__main__\":`, which a child started with {start_method!r} cannot "
+        "import by name; install cloudpickle (pip install cloudpickle) so tensormp can send "
+        "it by value, or define fn at the top level of a module",
+    )

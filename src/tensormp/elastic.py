@@ -77,15 +77,15 @@ from typing import TYPE_CHECKING, Any
 
 from . import _parent_death, _spawn_report
 from ._by_value import FnByValue
-from .spawn import (
+from ._by_value import prepare as _prepare_fn
+from ._spawn_errors import (
     ProcessException,
     ProcessExitedException,
     ProcessFailure,
     ProcessRaisedException,
     ProcessTimeoutError,
-    _prepare_fn,
-    _signal_name,
 )
+from ._spawn_errors import signal_name as _signal_name
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -575,7 +575,7 @@ def launch(
                 f"spawn(nnodes={nnodes}) needs rdzv_endpoint='host:port': the address of one "
                 "of the machines, the same on every node (that node hosts the rendezvous)"
             )
-        from .spawn import _free_port
+        from ._spawn_env import free_port as _free_port
 
         rdzv_endpoint = f"127.0.0.1:{_free_port()}"
     host, port = _parse_endpoint(rdzv_endpoint)

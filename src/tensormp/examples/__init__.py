@@ -1,7 +1,9 @@
 """Runnable examples (``pip install 'tensormp[examples]'`` for scikit-learn and matplotlib).
 
 * :mod:`tensormp.examples.hogwild`: N processes train one MLP on scikit-learn's digits by
-  updating shared parameters in place without locks (``python -m tensormp.examples.hogwild``).
+  updating shared parameters in place without locks (``python -m tensormp.examples.hogwild``);
+  the numpy version is ``hogwild_numpy.py``, the torch one ``hogwild_torch.py``, and both run
+  the epoch loop of ``hogwild_loop.py``.
 * :mod:`tensormp.examples.pipeline`: loader processes fill a fixed ring of shared batch buffers
   and pass only handles to the trainer, against the stdlib queue pickling every batch
   (``python -m tensormp.examples.pipeline``).

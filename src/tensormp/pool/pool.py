@@ -120,8 +120,8 @@ class Pool:
             only.
         engine: ``"local"`` (worker processes of this machine, arrays as shared memory) or
             ``"ray"`` (workers are Ray actors on a Ray cluster, arrays travel through Ray's
-            object store; ``pip install 'tensormp[ray]'``). See the README, *Beyond one
-            machine*, for what differs.
+            object store; ``pip install 'tensormp[ray]'``). See *Beyond one machine*
+            (``docs/beyond-one-machine.md``) for what differs.
         address: ``engine="ray"``: the cluster's address (``"10.0.0.5:6379"``, ``"auto"``);
             default: ``$RAY_ADDRESS``, else the cluster this process is connected to, else a
             local Ray started for this pool and stopped with it.
