@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -65,7 +66,15 @@ if not IN_NETNS:
         reason = _cannot_unshare()
         if reason:
             pytest.skip(reason)
-        env = dict(os.environ, TENSORMP_RAY_NETNS="1", PYTHONPATH=HERE)
+        # The inner run imports the tensormp this run imports, and gets a HOME and a temp dir
+        # of its own (Ray can leave ~/.ray/auth_token behind, and /tmp/ray is the machine's).
+        private = tempfile.mkdtemp(prefix="tmray")  # short: Ray's socket paths live under it
+        src = os.path.dirname(os.path.dirname(os.path.abspath(tensormp.__file__)))
+        env = dict(
+            os.environ, TENSORMP_RAY_NETNS="1", HOME=private, TMPDIR=private,
+            RAY_TMPDIR=private,
+            PYTHONPATH=os.pathsep.join([HERE, src, os.environ.get("PYTHONPATH", "")]),
+        )
         env.pop("RAY_ADDRESS", None)
         script = 'ip link set lo up && readlink /proc/self/ns/net && exec "$@"'
         cmd = [
@@ -73,9 +82,12 @@ if not IN_NETNS:
             os.path.abspath(__file__), "-q", "-rA", "-p", "no:cacheprovider",
             "-o", "addopts=-m 'not slow'",
         ]
-        proc = subprocess.run(
-            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280
-        )
+        try:
+            proc = subprocess.run(
+                cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280
+            )
+        finally:
+            shutil.rmtree(private, ignore_errors=True)
         out = proc.stdout + proc.stderr
         print(out[-6000:])
         netns = proc.stdout.splitlines()[0].strip() if proc.stdout else ""
@@ -430,3 +442,65 @@ if IN_NETNS:
             assert ex.submit(add, 2, 2).result(30) == 4
             assert "engine=ray" in repr(ex)
         assert ray.is_initialized()  # a connection the caller made is left alone
+
+    MAIN_SCRIPT = """
+        import os, sys
+        import tensormp
+
+        VALUE = None  # each worker's initializer sets it
+        COUNT = 0     # each worker's tasks count themselves
+
+        def init(value):
+            global VALUE
+            VALUE = value
+
+        def helper():
+            return VALUE
+
+        class Reader:
+            @staticmethod
+            def read():
+                return helper()
+
+        def read_global(_):
+            global COUNT
+            COUNT += 1
+            return VALUE, helper(), Reader.read(), COUNT, os.getpid()
+
+        if __name__ == "__main__":
+            VALUE = "the caller's"
+            address = sys.argv[1]
+            with tensormp.Pool(
+                2, engine="ray", address=address, initializer=init, initargs=(42,)
+            ) as pool:
+                print("POOL", pool.map(read_global, range(8), chunksize=1))
+                print("LAMBDA", pool.map(lambda _: (VALUE, __name__), range(2)))
+            with tensormp.ProcessPoolExecutor(
+                2, engine="ray", address=address, initializer=init, initargs=(7,)
+            ) as ex:
+                print("EXECUTOR", list(ex.map(read_global, range(4))))
+            print("CALLER", repr((VALUE, COUNT)))
+    """
+
+    def test_main_script_functions_share_one_module_per_worker(cluster, tmp_path):
+        # As under the stdlib (a worker imports the script as __mp_main__): the initializer
+        # and the tasks of a script run as __main__ see one set of module globals per worker.
+        script = tmp_path / "job.py"
+        script.write_text(textwrap.dedent(MAIN_SCRIPT))
+        proc = subprocess.run(
+            [sys.executable, str(script), cluster.address], capture_output=True, text=True,
+            timeout=120, cwd=str(tmp_path),
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+        lines = {line.split(" ", 1)[0]: eval(line.split(" ", 1)[1])
+                 for line in proc.stdout.splitlines() if " " in line}
+        for key, value in (("POOL", 42), ("EXECUTOR", 7)):
+            out = lines[key]
+            assert [o[:3] for o in out] == [(value, value, value)] * len(out), (key, out)
+            counts: dict = {}
+            for *_, count, pid in out:
+                counts.setdefault(pid, []).append(count)
+            for seen in counts.values():  # the globals a task writes persist in its worker
+                assert sorted(seen) == list(range(1, len(seen) + 1)), (key, out)
+        assert lines["LAMBDA"] == [(42, "__mp_main__")] * 2
+        assert lines["CALLER"] == ("the caller's", 0)

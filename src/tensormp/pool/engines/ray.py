@@ -25,7 +25,10 @@ oldest task outstanding on a worker is the one it runs, with one caveat (see *De
 gets the same exception type, with ``RemoteTraceback`` as ``__cause__``), or ``(None,
 traceback)`` when the task raised a ``BaseException`` such as ``SystemExit`` (the worker ends:
 the engine kills the actor and reports :class:`WorkerLostError`, as the local engine). Callables
-travel with Ray's serializer (cloudpickle): lambdas and closures work.
+travel with Ray's serializer (cloudpickle): lambdas and closures work. A function of the
+caller's ``__main__`` is pickled by value once per job (``_main_by_value``) and bound, in the
+actor, to one ``__mp_main__`` namespace (``_by_value.into_namespace``), so that the initializer
+and the tasks share module globals as in a stdlib worker; the script is not needed on the node.
 
 **Arrays.** Ray stores numpy arrays of arguments and results in its object store and maps them
 without copying on the same node (it moves them between nodes). Those arrays are *read-only*
@@ -73,10 +76,13 @@ import os
 import queue
 import re
 import socket
+import sys
 import threading
+import types
 from collections.abc import Mapping
 from typing import Any
 
+from ..._by_value import FnByValue
 from ..tasks import _describe, _Task
 from ..worker import _CALL, _MAP, _format, _load_fn, _wrap
 from . import EngineConfig
@@ -100,9 +106,14 @@ class _RayWorker:
         self._cache: dict[bytes, Any] = {}
         self._init_error: Any = None
         self._stop = threading.Event()
+        # The caller's __main__ as this worker sees it: one namespace for the initializer and
+        # every task defined there (a stdlib worker imports the script as __mp_main__).
+        main = types.ModuleType("__mp_main__")
+        sys.modules["__mp_main__"] = main
+        self._main: dict[str, Any] = main.__dict__
         if initializer is not None:
             try:
-                _load_fn(initializer, {})(*initargs)
+                _load_fn(initializer, {}, self._main)(*initargs)
             except BaseException as e:  # noqa: BLE001 - reported by ready(); the pool breaks
                 self._init_error = _wrap(e)
 
@@ -114,7 +125,7 @@ class _RayWorker:
 
     def run(self, fn: Any, kind: int, args: Any) -> tuple[bool | None, Any]:
         try:
-            f = _load_fn(fn, self._cache)
+            f = _load_fn(fn, self._cache, self._main)
             if kind == _CALL:
                 value = f(*args[0], **args[1])
             elif kind == _MAP:
@@ -288,6 +299,10 @@ class Engine(QueueEngine):
         options.update(max_restarts=0, max_task_retries=0)
         self._ray, self._owns_connection, self.address = _connect(address, config.owner)
         try:
+            if type(config.initializer) is types.FunctionType:
+                config = dataclasses.replace(
+                    config, initializer=_main_by_value(config.initializer, self._ray)
+                )
             if config.processes is None:  # as many workers as the cluster has CPUs for
                 cpus = float(self._ray.cluster_resources().get("CPU", 1))
                 per = float(options.get("num_cpus") or 1)
@@ -575,8 +590,11 @@ class Engine(QueueEngine):
             self._send(target, task)
 
     def _send(self, w: _Actor, task: _Task) -> None:
+        wire = task.fn.wire
+        if type(wire) is types.FunctionType and wire.__module__ == "__main__":
+            wire = task.fn.wire = _main_by_value(wire, self._ray)
         try:
-            ref = w.handle.run.remote(task.fn.wire, task.kind, task.args)
+            ref = w.handle.run.remote(wire, task.kind, task.args)
         except Exception as e:  # noqa: BLE001 - Ray could not serialize the call
             if hasattr(e, "add_note"):
                 e.add_note(f"({self.owner}: sending {_describe(task.label)} to a worker actor)")
@@ -621,6 +639,16 @@ class Engine(QueueEngine):
         if self._owns_connection:
             self._owns_connection = False
             _disconnect(self._ray)
+
+
+def _main_by_value(fn: types.FunctionType, ray: Any) -> Any:
+    """A function of the caller's ``__main__`` as it travels to the actors: pickled by value
+    once (Ray would pickle it again for every call, and give each copy globals of its own); the
+    actor binds it to its one ``__mp_main__`` namespace (``_by_value.into_namespace``). Any
+    other function as it is (by reference)."""
+    if fn.__module__ != "__main__":
+        return fn
+    return FnByValue(ray.cloudpickle.dumps(fn), f"__main__.{fn.__qualname__}")
 
 
 def _exception_of(future: concurrent.futures.Future[Any] | None) -> BaseException | None:
