@@ -1,8 +1,8 @@
 """spawn() beyond one machine (issue #13 items 6, 7): real torchrun, real elastic launchers, real
 gloo, two "nodes" on 127.0.0.1 inside one private network namespace (root: ``unshare -n``).
 
-Each multi-node case costs 10-25 s on 2 cores (every launcher and worker imports torch, the c10d
-rendezvous forms): the default suite has three of them, the rest are marked slow.
+Each multi-node case costs 10-40 s on 2 cores (every launcher and worker imports torch, the c10d
+rendezvous forms): the default suite has four of them, the rest are marked slow.
 """
 
 from __future__ import annotations
@@ -397,6 +397,7 @@ def test_torchrun_on_the_same_kill(tmp_path):
     assert exited < 60
 
 
+@pytest.mark.slow
 @needs_netns
 @pytest.mark.timeout(180)
 def test_losing_the_node_that_hosts_the_store(tmp_path):
