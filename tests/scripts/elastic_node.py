@@ -38,12 +38,14 @@ def raise_on_rank_1(local_index, flag):
     """Rank 1 raises once rank 2 has returned; ranks 0 and 3 sleep (as if in a collective op)."""
     rank = int(os.environ["RANK"])
     emit(worker=os.getpid(), rank=rank)
+    open(f"{flag}.{rank}", "w").close()  # this rank runs
     if rank == 2:
         open(flag, "w").close()
         return "done"
-    if rank == 1:
+    if rank == 1:  # once every rank runs (a busy machine starts them seconds apart)
         deadline = time.monotonic() + 60
-        while not os.path.exists(flag) and time.monotonic() < deadline:
+        wanted = [flag] + [f"{flag}.{r}" for r in (0, 3)]
+        while not all(map(os.path.exists, wanted)) and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)  # rank 2 is waiting for the job by now
         emit(raised_at=time.time())
