@@ -14,9 +14,10 @@ Workloads, each contender with 2 workers:
 * **arrays**: ``map(work, arrays)`` over 64 float32 arrays of 4 MiB, ``work(a) = a + 1``,
   the API's default chunksize: arguments out and results back.
 
-Every contender's pool is created and warmed up first (one map), then timed over ``--repeats``
-maps; medians and ratios are from one run. The contenders run one after the other, so each has
-the cluster's two CPUs to itself.
+Every contender's pool is created and warmed up first (one map of each workload), then each
+repetition times one map of each contender in turn (alternating, so that a change in the
+machine's load touches all of them alike); medians and ratios are from one run. Only one
+contender runs at a time, so each has the cluster's two CPUs to itself.
 
     sudo python benchmarks/scaleout.py            # about 2 minutes on 2 cores
     sudo python benchmarks/scaleout.py --quick
@@ -36,7 +37,11 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
+sys.path.insert(0, SRC)
+# the Ray workers (started by the cluster's raylets, which inherit this environment) import the
+# same tensormp as this process
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")]))
 
 import tensormp  # noqa: E402
 
@@ -60,18 +65,12 @@ def _check_arrays(results: list[np.ndarray], arrays: list[np.ndarray]) -> None:
         assert r[0] == a[0] + 1 and r[-1] == a[-1] + 1, f"wrong result for array {i}"
 
 
-def _timed(run: Callable[[], Any], check: Callable[[Any], None], repeats: int) -> list[float]:
-    out = run()  # warm-up: workers started, code loaded, memory faulted
+def _timed(run: Callable[[], Any], check: Callable[[Any], None]) -> float:
+    t0 = time.perf_counter()
+    out = run()
+    took = time.perf_counter() - t0
     check(out)
-    del out
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = run()
-        times.append(time.perf_counter() - t0)
-        check(out)
-        del out
-    return times
+    return took
 
 
 def _in_netns() -> bool:
@@ -139,34 +138,37 @@ def main() -> None:
     ]
     tiny: dict[str, float] = {}
     big: dict[str, float] = {}
+    expect = list(range(1, ntasks + 1))
+
+    def check_tiny(out: list[int]) -> None:
+        assert list(out) == expect
+
+    pools: dict[str, Any] = {}
     try:
         for name, make in contenders:
-            pool = make()
-            try:
-                expect = list(range(1, ntasks + 1))
-
-                def check_tiny(out: list[int], expect: list[int] = expect) -> None:
-                    assert list(out) == expect
-
-                times = _timed(
-                    lambda pool=pool: pool.map(inc, range(ntasks), chunksize=1), check_tiny,
-                    repeats,
-                )
-                tiny[name] = statistics.median(times) / ntasks
-                times = _timed(
-                    lambda pool=pool: pool.map(work, arrays),
-                    lambda out: _check_arrays(out, arrays),
-                    repeats,
-                )
-                big[name] = statistics.median(times)
-            finally:
-                pool.terminate()
-                pool.join()
+            pools[name] = make()
+        tiny_times: dict[str, list[float]] = {name: [] for name in pools}
+        big_times: dict[str, list[float]] = {name: [] for name in pools}
+        for rep in range(repeats + 1):  # the first: warm-up (workers up, code loaded)
+            for name, pool in pools.items():
+                took = _timed(lambda p=pool: p.map(inc, range(ntasks), chunksize=1), check_tiny)
+                if rep:
+                    tiny_times[name].append(took)
+            for name, pool in pools.items():
+                took = _timed(lambda p=pool: p.map(work, arrays), lambda o: _check_arrays(o, arrays))
+                if rep:
+                    big_times[name].append(took)
+        for name in pools:
+            tiny[name] = statistics.median(tiny_times[name]) / ntasks
+            big[name] = statistics.median(big_times[name])
             print(
                 f"  {name:32s} tiny tasks {tiny[name] * 1e6:8.1f} us/task   "
                 f"64 x 4 MiB map {big[name] * 1e3:8.1f} ms"
             )
     finally:
+        for pool in pools.values():
+            pool.terminate()
+            pool.join()
         ray.shutdown()
         cluster.shutdown()
 

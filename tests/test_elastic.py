@@ -1,8 +1,8 @@
 """spawn() beyond one machine (issue #13 items 6, 7): real torchrun, real elastic launchers, real
 gloo, two "nodes" on 127.0.0.1 inside one private network namespace (root: ``unshare -n``).
 
-Each multi-node case costs 10-25 s on 2 cores (every launcher and worker imports torch, the c10d
-rendezvous forms): the default suite has three of them, the rest are marked slow.
+Each multi-node case costs 10-40 s on 2 cores (every launcher and worker imports torch, the c10d
+rendezvous forms): the default suite has four of them, the rest are marked slow.
 """
 
 from __future__ import annotations
@@ -274,3 +274,140 @@ def test_a_node_alone_gets_a_rendezvous_timeout_naming_the_endpoint(tmp_path):
     err = (tmp_path / "node0.err").read_text()
     assert "RendezvousTimeoutError" in err and "2 nodes were to meet at 127.0.0.1:29400" in err
     assert time.monotonic() - start < 45
+
+
+# -- a node lost: its launcher SIGKILLed with its ranks ------------------------------------------
+
+
+def _launcher_hosting(pids: list[int], port: int) -> int:
+    """Which launcher hosts the job's store (listens on the rendezvous port). Read from
+    /proc/PID/net (psutil reads this process's network namespace, not theirs)."""
+    for pid in pids:
+        inodes = set()
+        for name in ("tcp", "tcp6"):
+            try:
+                rows = Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]
+            except OSError:
+                continue
+            for row in rows:
+                f = row.split()
+                if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+                    inodes.add(f"socket:[{f[9]}]")
+        try:
+            fds = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        except OSError:
+            continue
+        if inodes & fds:
+            return pid
+    raise AssertionError(f"no launcher listens on port {port}")
+
+
+def kill_a_node(tmp_path: Path, cmd: list[str], port: int, victim: str, timeout: float = 120):
+    """Two nodes running ``cmd`` (an all-reduce loop); once both run, SIGKILL one launcher and
+    its ranks (``victim``: "store", the node that hosts the job's store, or "other"). Returns
+    (the survivor's JSON lines, its stderr, seconds from the kill to the survivor's outcome
+    line, seconds from the kill to the survivor's exit)."""
+    lines = ["ip link set lo up"]
+    for i in range(2):
+        lines.append(f"{shlex.join(cmd)} >{tmp_path}/node{i}.out 2>{tmp_path}/node{i}.err &")
+        lines.append(f"echo $! >{tmp_path}/node{i}.pid")
+    lines.append("wait")
+    proc = subprocess.Popen(["unshare", "-n", "sh", "-c", "\n".join(lines)],
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+
+        def read(i: int) -> list[dict]:
+            path = tmp_path / f"node{i}.out"
+            text = path.read_text() if path.exists() else ""
+            return [json.loads(x) for x in text.splitlines() if x.startswith("{")]
+
+        while not all(any("worker" in d for d in read(i)) for i in range(2)):
+            assert time.monotonic() < deadline and proc.poll() is None, _stderr(tmp_path, [0, 1])
+            time.sleep(0.1)
+        pids = [int((tmp_path / f"node{i}.pid").read_text()) for i in range(2)]
+        host = _launcher_hosting(pids, port)
+        dead = pids.index(host) if victim == "store" else 1 - pids.index(host)
+        launcher = psutil.Process(pids[dead])
+        doomed = [launcher, *launcher.children(recursive=True)]
+        killed_at = time.time()
+        for p in doomed:
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.Error:
+                pass
+        survivor = 1 - dead
+        while not _gone(pids[survivor]):
+            assert time.monotonic() < deadline, _stderr(tmp_path, [0, 1])
+            time.sleep(0.02)
+        exited = time.time() - killed_at
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    out = read(survivor)
+    final = [d for d in out if "ok" in d]
+    to_error = final[0]["at"] - killed_at if final and "at" in final[0] else None
+    stderr = (tmp_path / f"node{survivor}.err").read_text()
+    return out, stderr, to_error, exited
+
+
+def _spawn_loop_node_killed(tmp_path: Path, victim: str) -> tuple[dict, int, str, float]:
+    """Two spawn(nnodes=2) launchers in an all-reduce loop, one killed (``kill_a_node``):
+    the survivor's outcome, the lost node's index, the survivor's stderr, seconds to the
+    error."""
+    port = next(_ports)
+    cmd = [sys.executable, str(NODE), f"127.0.0.1:{port}", "job-loop", "loop", "1"]
+    out, stderr, to_error, exited = kill_a_node(tmp_path, cmd, port, victim)
+    final = [d for d in out if "ok" in d]
+    assert final and final[0]["ok"] is False and to_error is not None, (out, stderr[-3000:])
+    print(f"spawn(nnodes=2), {victim} node killed: error after {to_error:.2f} s, "
+          f"launcher gone after {exited:.2f} s")
+    lost = 1 - [d for d in out if "worker" in d][0]["group"]
+    return final[0], lost, stderr, to_error
+
+
+@needs_netns
+@pytest.mark.timeout(180)
+def test_a_lost_node_fails_the_job_fast_naming_it(tmp_path):
+    # issue 24: node 1's launcher and ranks SIGKILLed mid all-reduce; the survivor's spawn()
+    # raises within torchrun's time on the same kill (2.5 s here), naming the lost node.
+    r, lost, _, to_error = _spawn_loop_node_killed(tmp_path, "other")
+    assert r["type"] == "ProcessExitedException", r
+    assert r["node"] == lost and r["host"], r
+    assert f"node {lost} (host {r['host']}" in r["message"] and "lost" in r["message"], r
+    assert to_error is not None and to_error < 2.5, (to_error, r)
+
+
+@pytest.mark.slow
+@needs_netns
+@pytest.mark.timeout(180)
+def test_torchrun_on_the_same_kill(tmp_path):
+    # the anchor: torchrun's time from the kill to its surviving agent's exit
+    port = next(_ports)
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    cmd = [torchrun, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=t-loop", "--monitor-interval=0.1",
+           str(TORCHRUN_SCRIPT), "loop", "1"]
+    out, stderr, to_error, exited = kill_a_node(tmp_path, cmd, port, "other")
+    print(f"torchrun, non-store node killed: the rank's error after "
+          f"{to_error if to_error is None else round(to_error, 2)} s, torchrun gone after "
+          f"{exited:.2f} s")
+    assert exited < 60
+
+
+@pytest.mark.slow
+@needs_netns
+@pytest.mark.timeout(180)
+def test_losing_the_node_that_hosts_the_store(tmp_path):
+    # The lost node hosts the job's store: the survivor raises tensormp's exception naming the
+    # store's host, with torch's error as the cause, and a short stderr (no pages of C++ frames).
+    r, lost, stderr, to_error = _spawn_loop_node_killed(tmp_path, "store")
+    assert r["type"] == "ProcessExitedException" and r["node"] == lost, r
+    assert f"node {lost} (host {r['host']}), which hosted the job's store" in r["message"], r
+    assert r["cause"], r  # what this node saw: torch's error, or its rank's
+    assert to_error < 2.5, (to_error, r)
+    blocks = stderr.count("Exception raised from")
+    print(f"stderr: {len(stderr.splitlines())} lines, {blocks} blocks of C++ frames")
+    assert blocks <= 4, stderr[-6000:]  # torch's agent (1-2), our heartbeat, maybe one rank

@@ -126,5 +126,5 @@ def test_options_go_to_the_engine_that_takes_them(inline_engine):
         tensormp.Pool(1, engine="inline", address="127.0.0.1:6379")
     with pytest.raises(ValueError, match="unknown engine=.*'inline'"):
         tensormp.Pool(1, engine="nope")
-    with pytest.raises(ValueError, match=r"engine='ray' has no option colour= \(its options: address, ray_remote_args\)"):
+    with pytest.raises(ValueError, match=r"engine='ray' has no option colour= \(its options: address, ray_remote_args, task_retries\)"):
         tensormp.Pool(1, engine="ray", engine_options={"colour": "red"})

@@ -344,6 +344,29 @@ def test_task_errors_carry_the_remote_traceback():
         assert not result.successful()
 
 
+def _fail_first(x):
+    if x == 0:
+        raise ValueError("chunk 0 failed")
+    time.sleep(5)
+    return x
+
+
+@pytest.mark.timeout(60)
+def test_map_fails_as_soon_as_a_chunk_failed():
+    # As the stdlib: map() raises at the first failed chunk, not once every chunk is done.
+    errors: list = []
+    with _pool() as pool:
+        pool.apply(_square, (1,))  # the workers are up
+        t0 = time.monotonic()
+        result = pool.map_async(_fail_first, range(4), chunksize=1, error_callback=errors.append)
+        with pytest.raises(ValueError, match="chunk 0 failed"):
+            result.get(30)
+        took = time.monotonic() - t0
+        assert result.ready() and not result.successful()
+        assert len(errors) == 1 and isinstance(errors[0], ValueError)
+        assert took < 3, f"map raised after {took:.1f} s: it waited for the 5 s chunks"
+
+
 @pytest.mark.timeout(30)
 def test_unpicklable_arguments_and_results_fail_the_task_only():
     with _pool() as pool:

@@ -31,13 +31,20 @@ its workers, ``TORCHELASTIC_USE_AGENT_STORE=True``):
   the last attempt (``TORCHELASTIC_RESTART_COUNT == TORCHELASTIC_MAX_RESTARTS``): earlier
   failures are torch's to restart. With ``nnodes``, a node whose rank *crashed* (a signal,
   ``os._exit``) publishes it from the launcher, after torch reported the crash.
-* ``seen``: how many ranks took the record and are leaving. The publisher waits for
-  ``WORLD_SIZE - 1`` of them (at most ``_ACK_TIMEOUT``) before it exits, so that a store hosted
-  by its own node outlives the others' reading.
+* ``seen``: how many ranks took the record and are leaving. Under torchrun the publisher waits
+  for ``WORLD_SIZE - 1`` of them (at most ``_ACK_TIMEOUT``) before it exits, so that a store
+  hosted by its own node outlives the others' reading (with ``nnodes`` our launcher hosts the
+  store and waits for the nodes to leave: no wait).
 * ``<restart>/<call>/done``: ranks of this attempt whose ``fn`` returned. A rank whose ``fn``
   returned waits until all ranks of the job are done (then returns its value) or a failure is
   published (then fails, as the ranks of one-machine ``spawn`` that are stopped after a failure).
-* ``nodes-left`` (``nnodes`` only): launchers that are done; the store's host waits for all.
+* ``nodes-left`` (``nnodes`` only): launchers that are done; the store's host waits for all
+  that are not lost; ``left/<slot>``: that launcher left (it is not lost).
+* ``launchers``, ``beat/<slot>`` (``nnodes`` only): each launcher takes a slot and bumps its
+  beat every ``_BEAT`` s from a thread (:class:`_Heartbeat`); local rank 0 of each node writes
+  ``node/<index>`` (its launcher's slot, host, first rank), and of the node whose launcher hosts
+  the store, ``store-node``. A node whose beat has not moved for ``_BEAT_TIMEOUT`` s is lost
+  (:class:`_Liveness`): launchers kill -9'd with their ranks, a machine or network gone.
 
 Each rank polls ``failure`` every ``_POLL`` seconds from a thread while ``fn`` runs. When
 another rank's record arrives, it writes the record into its ``TORCHELASTIC_ERROR_FILE``
@@ -51,8 +58,16 @@ rank's traceback, ``error_index`` its global rank, ``node`` its node), or
 Who dies when: a rank that raises or times out: every node raises within about
 ``_POLL + monitor_interval`` seconds plus torch's stop of the workers. A rank that crashes under
 ``nnodes``: its node raises at once, the others once its launcher published the crash. The node
-that hosts the store dies: torch's agents on the other nodes fail when they next touch the
-store (their workers are stopped). Under plain ``torchrun`` a crash (no Python left to report)
+that hosts the store dies: the other launchers' heartbeats fail at once, and they raise
+:class:`ProcessExitedException` naming that node and the store's address (what their ranks saw,
+or torch's ``RendezvousConnectionError``, as ``__cause__``), touching the dead store no more
+(each failed store operation prints pages of torch's C++ frames). Another node lost (``nnodes``):
+the ranks' watch threads and the launchers find it within ``_BEAT_TIMEOUT`` s; the job stops
+and every launcher raises :class:`ProcessExitedException` naming the lost node's index and host
+(``__cause__``: what its own ranks saw, typically a collective op's connection error, which they
+see first: a launcher whose ranks failed waits a beat or two for every node's heartbeat before it
+reports, :meth:`_Heartbeat.lost`). A rank that failed and reported ends with ``os._exit(1)``:
+the interpreter's teardown of torch took 1-2 s, which the whole job waited for. Under plain ``torchrun`` a crash (no Python left to report)
 is torch's to handle. Every worker has ``PR_SET_PDEATHSIG``: a launcher killed takes its workers.
 Nothing is left in the temp directory: torch's per-run log directory is ours, removed at the end.
 """
@@ -98,6 +113,8 @@ _LEAVE_TIMEOUT = 30.0  # seconds the store's host waits for the other nodes to l
 _STORE_TIMEOUT = 30.0  # seconds for one store operation
 _JOIN_TIMEOUT = 600  # seconds for all nodes to join the rendezvous (torchrun's default)
 _KEY_PREFIX = "tensormp/spawn"
+_BEAT = 0.2  # seconds between two heartbeats of a launcher (spawn(nnodes=...))
+_BEAT_TIMEOUT = 1.2  # seconds without a heartbeat after which a node counts as lost
 
 _RANK_PID = "TENSORMP_ELASTIC_RANK_PID"  # set by a rank: its children are no ranks
 
@@ -138,15 +155,32 @@ def _store_client(host: str, port: int, timeout: float) -> Store:
 class _Exchange:
     """One rank's view of the job's keys (see the module notes); one store client per thread."""
 
-    def __init__(self, host: str, port: int, run_id: str) -> None:
+    def __init__(
+        self, host: str, port: int, run_id: str, slot: int | None = None, hosting: bool = False
+    ) -> None:
         self.host, self.port = host, port
         self.prefix = f"{_KEY_PREFIX}/{run_id}/"
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.nprocs = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        self.node = int(os.environ.get("GROUP_RANK", "0"))
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.final = restart == os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
         self.done_key = f"{restart}/{next(_calls)}/done"
+        self.launched = slot is not None  # by spawn(nnodes=...), not torchrun
+        self.store_gone = False  # a store operation failed: its host is gone (each further
+        # failed operation would print pages of torch's C++ frames)
         self.store = self.connect()
+        # spawn(nnodes=...): say which launcher (heartbeat slot) runs this node
+        if slot is not None and os.environ.get("LOCAL_RANK", "0") == "0":
+            me = json.dumps({"slot": slot, "host": socket.gethostname(), "rank": self.rank,
+                             "node": self.node})
+            self.store.set(f"node/{self.node}", me)
+            if hosting:  # this node's launcher hosts the store: say which node that is
+                self.store.set("store-node", me)
+
+    def liveness(self) -> _Liveness:
+        return _Liveness(self.world_size // self.nprocs, self.node)
 
     def connect(self) -> Store:
         from torch.distributed import PrefixStore
@@ -176,12 +210,65 @@ def _publish(store: Store, record: dict[str, Any]) -> dict[str, Any]:
     return dict(json.loads(won))
 
 
-def _wait_count(store: Store, key: str, want: int, deadline: float) -> bool:
-    while store.add(key, 0) < want:
+def _wait_count(
+    store: Store, key: str, want: int, deadline: float, gone: Callable[[], int] | None = None
+) -> bool:
+    """Wait until the counter ``key`` reaches ``want`` less ``gone()`` (those of lost nodes,
+    who will never count)."""
+    while store.add(key, 0) < want - (gone() if gone is not None else 0):
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)
     return True
+
+
+class _Liveness:
+    """Which nodes of a ``spawn(nnodes=...)`` job are lost: their launcher's heartbeat
+    (``beat/<slot>`` in the job's store, bumped every ``_BEAT`` s) has not moved for
+    ``_BEAT_TIMEOUT`` s, and it did not leave (``left/<slot>``). A node is known once its
+    local rank 0 wrote ``node/<index>`` (its launcher's slot and host). Without such keys
+    (plain torchrun) no node is ever found lost. Not thread-safe: one per thread."""
+
+    def __init__(self, nnodes: int, own: int | None) -> None:
+        self.nnodes, self.own = nnodes, own
+        self.nodes: dict[int, dict[str, Any]] = {}
+        self.beats: dict[int, tuple[int, float]] = {}  # node -> (beat, when it last moved)
+
+    def lost(self, store: Store) -> list[tuple[int, str]]:
+        """``(node index, host)`` of each lost node. Raises what the store raises."""
+        now = time.monotonic()
+        out = []
+        for node in range(self.nnodes):
+            if node == self.own:
+                continue
+            info = self.nodes.get(node)
+            if info is None:
+                if not store.check([f"node/{node}"]):
+                    continue
+                info = self.nodes[node] = json.loads(store.get(f"node/{node}"))
+            slot = info["slot"]
+            if store.check([f"left/{slot}"]):
+                continue
+            beat = store.add(f"beat/{slot}", 0)
+            last = self.beats.get(node)
+            if last is None or last[0] != beat:
+                self.beats[node] = (beat, now)
+            elif now - last[1] > _BEAT_TIMEOUT:
+                out.append((node, str(info["host"])))
+        return out
+
+    def record(self, node: int, host: str) -> dict[str, Any]:
+        """The job's failure record for the lost ``node``."""
+        info = self.nodes.get(node, {})
+        return {
+            **_here("lost"),
+            "rank": int(info.get("rank", -1)), "local_rank": 0, "node": node, "host": host,
+            "pid": 0, "exit_code": -9, "type": "NodeLost",
+            "message": (
+                f"node {node} (host {host}) was lost: its launcher has not answered for "
+                f"{_BEAT_TIMEOUT:g} s (killed, or its machine or network is down)"
+            ),
+        }
 
 
 # -- records ----------------------------------------------------------------------------------
@@ -239,6 +326,9 @@ def _exception(record: dict[str, Any], seen_from: str = "") -> ProcessException:
     elif kind == "timeout":
         msg = f"spawn() timed out: {where} {record['message']}; the job was stopped{note}"
         exc = ProcessTimeoutError(msg, rank, pid, running=[rank], failures=[failure])
+    elif kind == "lost":
+        msg = f"{record['message']}; the job was stopped{note}"
+        exc = ProcessExitedException(msg, rank, pid, code, signame, failures=[failure])
     else:
         what = f"signal {signame}" if signame else f"exit code {code}"
         msg = f"{where} terminated with {what}{note}"
@@ -285,6 +375,7 @@ class _Watch(threading.Thread):
 
     def run(self) -> None:
         store = None
+        live = self.exchange.liveness() if self.exchange is not None else _Liveness(0, None)
         try:
             if self.exchange is not None:
                 store = self.exchange.connect()
@@ -307,9 +398,17 @@ class _Watch(threading.Thread):
                 print(f"tensormp.spawn: lost the job's store ({e}); no longer watching it for "
                       "failures of other ranks", file=sys.stderr)
                 store = None
+                if self.exchange is not None:
+                    self.exchange.store_gone = True
                 continue
             if published is not None and int(published["rank"]) != self.exchange.rank:
                 self._end(store, published)
+            try:
+                lost = live.lost(store)
+                if lost:  # the job cannot go on: stop it, naming the node
+                    self._end(store, _publish(store, live.record(*lost[0])))
+            except Exception:  # noqa: BLE001 - the store went meanwhile: seen at the next poll
+                pass
 
     def _end(self, store: Store | None, record: dict[str, Any]) -> None:
         """Take or publish ``record``, leave it in the error file, end this process."""
@@ -318,12 +417,7 @@ class _Watch(threading.Thread):
         if store is not None and self.exchange is not None:
             record = _take_or_publish(store, self.exchange, record)
         _write_error_file(record)
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(1)
+        _exit_now()
 
     def stop(self) -> None:
         self.stopped.set()
@@ -385,28 +479,36 @@ def _take_or_publish(store: Store, exchange: _Exchange, record: dict[str, Any]) 
     """This rank's failure ``record``: publish it (in the last attempt) and wait, bounded, for
     the others to take it; or another rank's: count this rank in ``seen``. Returns the job's
     failure (an earlier one wins)."""
+    if exchange.store_gone:
+        return record
     try:
         if int(record["rank"]) == exchange.rank:
             if not exchange.final:
                 return record  # torch restarts the job; nobody is told
             record = _publish(store, record)
-        if int(record["rank"]) == exchange.rank:
+        if int(record["rank"]) == exchange.rank and not exchange.launched:
+            # (a launcher of ours keeps the store up until the other nodes left: no wait)
             _wait_count(store, "seen", exchange.world_size - 1, time.monotonic() + _ACK_TIMEOUT)
         else:
             store.add("seen", 1)
     except Exception:  # noqa: BLE001 - the store is gone: report what this rank knows
-        pass
+        exchange.store_gone = True
     return record
 
 
 def _wait_all_done(exchange: _Exchange) -> dict[str, Any] | None:
     """After ``fn`` returned: wait for every rank's, or for a failure (its record)."""
     store = exchange.store
+    live = exchange.liveness()
     try:
         store.add(exchange.done_key, 1)
         pause = 0.01
         while store.add(exchange.done_key, 0) < exchange.world_size:
             record = _failure(store)
+            if record is None:
+                lost = live.lost(store)
+                if lost:
+                    record = _publish(store, live.record(*lost[0]))
             if record is not None:
                 store.add("seen", 1)
                 return record
@@ -491,17 +593,32 @@ class _Job:
     store_port: int
     run_id: str
     timeout: float | None
+    slot: int | None = None  # the launcher's heartbeat slot (_Heartbeat)
+    hosting: bool = False  # the launcher hosts the job's store
 
 
 def _worker(job: _Job) -> Any:
     """The entrypoint torch.distributed.elastic starts ``nprocs`` times per node."""
     _parent_death.arm_pdeathsig()  # the launcher's death ends us
     fn = job.fn.load() if isinstance(job.fn, FnByValue) else job.fn
-    exchange = _Exchange(job.store_host, job.store_port, job.run_id)
+    exchange = _Exchange(job.store_host, job.store_port, job.run_id, job.slot, job.hosting)
     try:
         return _run_rank(fn, job.args, exchange, job.timeout)
     except ProcessException:
-        raise SystemExit(1) from None  # reported: error file and store; the launcher raises
+        # Reported (error file and store): the launcher raises. End now, as _Watch does: the
+        # interpreter's teardown of torch (gloo, store clients) took 1-2 s here on a busy
+        # machine, and the job's failure waits for this exit.
+        _exit_now()
+
+
+def _exit_now() -> None:
+    """End this rank with status 1 now (its failure is reported), output flushed."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(1)
 
 
 def _parse_endpoint(endpoint: Any) -> tuple[str, int]:
@@ -584,7 +701,7 @@ def launch(
     _import_torch_distributed("nnodes=...")
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous import RendezvousError
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     run_id = rdzv_id if rdzv_id is not None else f"tensormp-{port}"
@@ -607,7 +724,9 @@ def launch(
         shutdown_timeout=None if grace_period is None else max(1, int(grace_period)),
     )
     target = _prepare_fn(fn, "spawn")
-    job = _Job(target, tuple(args), host, port, run_id, timeout)
+    beat = _Heartbeat(host, port, run_id, nnodes)
+    beat.start()
+    job = _Job(target, tuple(args), host, port, run_id, timeout, beat.slot, hosting)
     formed = False  # the rendezvous formed: other nodes may need the store until they leave
     try:
         with _no_torch_tracebacks_in_logs():
@@ -615,7 +734,13 @@ def launch(
         formed = True
     except ChildFailedError as e:
         formed = True
-        raise _job_failure(keys, e, nprocs) from None
+        failure = _job_failure(keys, e, nprocs, beat)
+        raise failure from failure.__cause__  # (not torch's ChildFailedError)
+    except RendezvousConnectionError as e:
+        if beat.store_lost is None and not beat.wait_store_verdict():
+            raise
+        lost_store = beat.store_lost_error(e)
+        raise lost_store from e
     except RendezvousError as e:
         e.add_note(
             f"tensormp.spawn: {nnodes} nodes were to meet at {host}:{port} (rdzv_id "
@@ -624,7 +749,8 @@ def launch(
         )
         raise
     finally:
-        _leave(keys, nnodes, hosting and formed)
+        _leave(keys, nnodes, hosting and formed, beat)
+        beat.stop()
         del keys, store
         shutil.rmtree(log_dir, ignore_errors=True)
     if not return_values:
@@ -667,10 +793,13 @@ def _prefixed(store: Store, run_id: str) -> Store:
     return PrefixStore(f"{_KEY_PREFIX}/{run_id}/", store)
 
 
-def _job_failure(store: Store, error: Any, nprocs: int) -> ProcessException:
+def _job_failure(store: Store, error: Any, nprocs: int, beat: _Heartbeat) -> ProcessException:
     """The exception for a failed job, from the record in the store (or, with the store gone,
-    from torch's report of this node's ranks). Publishes a crash that no rank could report."""
+    from torch's report of this node's ranks). Publishes a crash that no rank could report.
+    When a node of the job was lost, the exception names it (and ``__cause__`` is what this
+    node's ranks then saw: typically a collective op's connection error)."""
     rank, failure = error.get_first_failure()
+    beat.wait_store_verdict()
     data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
     record = data.get("tensormp")
     if record is None:  # a crash or a kill: nobody wrote a record
@@ -682,22 +811,117 @@ def _job_failure(store: Store, error: Any, nprocs: int) -> ProcessException:
             "pid": failure.pid,
             "exit_code": failure.exitcode,
         }
+    if beat.store_lost is not None:  # its host is gone: say so, with what this node saw
+        seen = _exception(record)
+        exc = beat.store_lost_error(seen)
+        exc.__cause__ = seen
+        return exc
     try:
         record = _failure(store) or _publish(store, record)
     except Exception:  # noqa: BLE001 - the store's host is gone: say what this node saw
         pass
-    return _exception(record)
+    lost = beat.lost(settle=True)
+    if not lost or record["kind"] == "lost":
+        return _exception(record)
+    seen = _exception(record)
+    first = beat.live.record(*lost[0])
+    line = (record["message"] or record["type"] or record["kind"]).strip().splitlines()
+    first["message"] += (
+        f"; then {_where(record)} failed: {record['type'] or record['kind']}: "
+        f"{line[0] if line else ''}"
+    )
+    named = _exception(first)
+    named.__cause__ = seen
+    return named
 
 
-def _leave(store: Store, nnodes: int, wait: bool) -> None:
-    """Count this node out; the store's host (``wait``) keeps it up until all nodes left
-    (bounded)."""
+def _leave(store: Store, nnodes: int, wait: bool, beat: _Heartbeat) -> None:
+    """Count this node out; the store's host (``wait``) keeps it up until all nodes that are
+    not lost left (bounded)."""
+    if beat.store_lost is not None:
+        return  # nothing to leave (and each failed store operation prints pages of C++ frames)
     try:
+        store.set(f"left/{beat.slot}", "1")
         store.add("nodes-left", 1)
         if wait:
-            _wait_count(store, "nodes-left", nnodes, time.monotonic() + _LEAVE_TIMEOUT)
+            _wait_count(store, "nodes-left", nnodes, time.monotonic() + _LEAVE_TIMEOUT,
+                        lambda: len(beat.lost()))
     except Exception:  # noqa: BLE001 - the host is gone already
         pass
+
+
+class _Heartbeat(threading.Thread):
+    """A launcher's heartbeat in the job's store (``beat/<slot>``, every ``_BEAT`` s), and its
+    view of the other nodes' (:meth:`lost`); its own store client."""
+
+    def __init__(self, host: str, port: int, run_id: str, nnodes: int) -> None:
+        super().__init__(name="tensormp-spawn-heartbeat", daemon=True)
+        self.store = _prefixed(_store_client(host, port, _STORE_TIMEOUT), run_id)
+        self.slot = int(self.store.add("launchers", 1))
+        self.live = _Liveness(nnodes, None)
+        self.found: list[tuple[int, str]] = []
+        self.stopped = threading.Event()
+        self.address = f"{host}:{port}"
+        self.store_node: dict[str, Any] | None = None  # which node hosts the store, once known
+        self.store_lost: BaseException | None = None  # the store's error, once it is gone
+
+    def run(self) -> None:
+        while True:
+            try:
+                self.store.add(f"beat/{self.slot}", 1)
+                self.found = self.live.lost(self.store)
+                if self.store_node is None and self.store.check(["store-node"]):
+                    self.store_node = json.loads(self.store.get("store-node"))
+            except Exception as e:  # noqa: BLE001 - the store's host is gone
+                self.store_lost = e
+                return
+            if self.stopped.wait(_BEAT):
+                return
+
+    def wait_store_verdict(self) -> bool:
+        """Something failed here: give the heartbeat a beat or two to find whether the store
+        is gone. True when it is."""
+        deadline = time.monotonic() + 3 * _BEAT
+        while self.store_lost is None and self.is_alive() and time.monotonic() < deadline:
+            time.sleep(_BEAT / 4)
+        return self.store_lost is not None
+
+    def store_lost_error(self, seen: BaseException) -> ProcessExitedException:
+        """The exception for the loss of the node that hosted the job's store."""
+        info = self.store_node or {}
+        node, host = info.get("node"), info.get("host", self.address.rsplit(":", 1)[0])
+        which = f"node {node} (host {host})" if node is not None else f"the node at {host}"
+        msg = (
+            f"{which}, which hosted the job's store at {self.address}, was lost: the store "
+            f"no longer answers ({type(self.store_lost).__name__}: "
+            f"{str(self.store_lost).splitlines()[0] if str(self.store_lost) else ''}); the job "
+            f"was stopped. This node then saw: {type(seen).__name__}: "
+            f"{(str(seen).strip().splitlines() or [''])[-1][:300]}"
+        )
+        rank = int(info.get("rank", -1))
+        failure = ProcessFailure(rank, 0, -9, "SIGKILL", "NodeLost", msg, "")
+        exc = ProcessExitedException(msg, rank, 0, -9, "SIGKILL", failures=[failure])
+        exc.__dict__.update(node=node, host=host)
+        return exc
+
+    def lost(self, settle: bool = False) -> list[tuple[int, str]]:
+        """``(node index, host)`` of the nodes found lost, as of the last heartbeat.
+        ``settle``: a failure was just seen here, and may be a node's loss (a collective op
+        whose peer vanished fails at once): first wait until every known node has beaten
+        since (a beat or two: ~0.2-0.4 s) or counts as lost (``_BEAT_TIMEOUT``)."""
+        since = time.monotonic()
+        deadline = since + _BEAT_TIMEOUT + 3 * _BEAT
+        while settle and not self.found and self.is_alive() and time.monotonic() < deadline:
+            beats = dict(self.live.beats)
+            if beats and all(moved > since for _, moved in beats.values()):
+                break
+            time.sleep(_BEAT / 4)
+        return list(self.found)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        if self.ident is not None:
+            self.join()
 
 
 def spawn(

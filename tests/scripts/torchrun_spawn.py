@@ -2,7 +2,7 @@
 
 Usage: torchrun ... torchrun_spawn.py MODE NPROCS; prints one JSON line per process.
 MODE: allreduce (gloo all_reduce over the whole torchrun job), raise (global rank 1 raises,
-the others sleep as if blocked in a collective op).
+the others sleep as if blocked in a collective op), loop (gloo all_reduce until it fails).
 """
 
 import json
@@ -44,6 +44,20 @@ def fail_on_rank_1(local_index):
     time.sleep(120)
 
 
+def allreduce_loop(local_index):
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.ones(4)
+    for step in range(10**9):
+        dist.all_reduce(t)
+        if step == 0:
+            emit(worker=os.getpid(), rank=int(os.environ["RANK"]),
+                 group=int(os.environ["GROUP_RANK"]), launcher=os.getppid())
+        time.sleep(0.01)
+
+
 if __name__ == "__main__":
     mode, nprocs = sys.argv[1], int(sys.argv[2])
     start = time.monotonic()
@@ -53,7 +67,7 @@ if __name__ == "__main__":
                                     return_values=True)
             emit(ok=True, pid=os.getpid(), values=values)
         else:
-            tensormp.spawn(fail_on_rank_1, nprocs=nprocs)
+            tensormp.spawn(allreduce_loop if mode == "loop" else fail_on_rank_1, nprocs=nprocs)
             emit(ok=True, pid=os.getpid())
     except tensormp.ProcessException as e:
         emit(ok=False, pid=os.getpid(), type=type(e).__name__, error_index=e.error_index,

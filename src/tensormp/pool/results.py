@@ -110,8 +110,9 @@ ApplyResult = AsyncResult
 class MapResult(AsyncResult):
     """The result of :meth:`Pool.map_async` / :meth:`Pool.starmap_async`: a list in order.
 
-    As the stdlib: ready when every chunk is done; if any chunk raised, ``get()`` raises the
-    first exception that arrived.
+    As the stdlib: ready when every chunk is done, or as soon as a chunk failed: ``get()``
+    then raises the first exception that arrived (and ``error_callback`` runs) while the other
+    chunks may still run; their answers are dropped.
     """
 
     def __init__(
@@ -133,12 +134,13 @@ class MapResult(AsyncResult):
         with self._cond:
             self._left -= 1
             self.items_done += min(cs, self._length - index * cs)
+            failed_now = not ok and self._success
             if ok and self._success:
                 self._value[index * cs : (index + 1) * cs] = value
-            elif not ok and self._success:
+            elif failed_now:
                 self._success = False
                 self._value = value  # only the first exception is kept (as the stdlib)
-            done = self._left == 0
+            done = failed_now or (self._success and self._left == 0)
             self._cond.notify_all()
         if done:
             self._finish()

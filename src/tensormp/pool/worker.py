@@ -41,7 +41,7 @@ from time import perf_counter
 from typing import Any
 
 from .. import reducers
-from .._by_value import FnByValue
+from .._by_value import FnByValue, into_namespace
 from ..errors import FdLimitError
 from .tasks import _pickles
 
@@ -121,16 +121,20 @@ def _stateless(fn: Any) -> bool:
 _STATELESS = (types.FunctionType, types.BuiltinFunctionType, FnByValue)
 
 
-def _load_fn(fn: Any, cache: dict[bytes, Any]) -> Any:
+def _load_fn(fn: Any, cache: dict[bytes, Any], main: dict[str, Any] | None = None) -> Any:
     """The callable of a task: ``fn`` itself, or a :class:`FnByValue` loaded. A function sent
     by value is loaded once per worker (its globals then live on between calls, as a module's
-    do in a stdlib worker); any other callable sent by value is loaded afresh for each task."""
+    do in a stdlib worker); any other callable sent by value is loaded afresh for each task.
+    ``main``: the namespace that functions of the caller's ``__main__`` share in this worker
+    (``_by_value.into_namespace``), where the worker has no ``__mp_main__`` of its own."""
     if not isinstance(fn, FnByValue):
         return fn
     loaded = cache.get(fn.data)
     if loaded is None:
         loaded = fn.load()
         if type(loaded) is types.FunctionType:
+            if main is not None and loaded.__module__ == "__main__":
+                loaded = into_namespace(loaded, main)
             if len(cache) >= _FN_CACHE:
                 cache.pop(next(iter(cache)))
             cache[fn.data] = loaded
