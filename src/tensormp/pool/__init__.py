@@ -25,10 +25,10 @@ caller's own thread (``engines/local.py``, "Direct send": a thread hop less). A 
 it runs and, while more tasks wait than there are workers, a few more queued in its socket so
 it need not wait for a round trip: one more when its calls take a millisecond or more, up to 32
 when its calls are tiny (about 2 ms of queued work, from the run times the worker reports);
-none behind a task that has run 10 ms, and none that carries shared memory. When a worker idles
-while another runs a long task with tasks queued behind it, the manager takes those back for
-it, so no task waits behind a long one while a worker idles (``engines/local.py``,
-"Prefetch"; ``worker.py``, "Give-back"). Tiny tasks the manager sends to
+none that carries shared memory. When a worker idles while another's task has run 10 ms with
+tasks queued behind it, the manager takes those back for it, so no task waits behind a long
+one while a worker idles (``engines/local.py``, "Prefetch"; ``worker.py``, "Give-back").
+Tiny tasks the manager sends to
 one worker at once travel as one message (a batch), each still answered on its own. A worker
 runs its tasks one at a time, in the order sent. In a batch, a task whose arguments are only
 scalars, ``str`` and ``bytes`` is not pickled on its own: it rides in the batch's one pickle,

@@ -34,8 +34,7 @@ one queued", while thousands of microsecond tasks stream. The rule, so that no t
 a long one while a worker idles (the stdlib and loky never let it):
 
 * an idle worker is served first; a busy one gets a queued task only while more tasks wait
-  than there are workers, and only while its running task has run less than ``_STEAL_AFTER``
-  (10 ms): nothing is queued behind a task known to be long;
+  than there are workers, and not while it runs a task it gave tasks back behind (below);
 * only *queueable* tasks wait behind a running one: small, no fds, no blocks of ours, no
   counted names (``_queueable``): what carries shared memory waits here for an idle worker,
   pickled already;
@@ -84,7 +83,7 @@ _PREFETCH_MAX_BYTES = 64 << 10  # never queue a bigger message behind a running 
 _PREFETCH_BUDGET = 0.002  # seconds of tasks queued in a worker's channel (see "Prefetch")
 _MAX_DEPTH = 32  # tasks in a worker's channel at most (the one it runs included)
 _STEAL_AFTER = 0.01  # seconds a task runs before the tasks queued behind it are taken back
-# for an idle worker, and before nothing more is queued behind it (see "Give-back")
+# for an idle worker (see "Prefetch")
 _EMA = 0.25  # weight of the newest sample in a worker's time per task
 _TERM_GRACE = 2.0  # seconds from SIGTERM to SIGKILL in terminate()
 _STOP_GRACE = 5.0  # seconds a worker told to stop (close()) may take to exit before SIGKILL
@@ -98,7 +97,7 @@ class _Worker:
     __slots__ = (
         "process", "conn", "crash_fd", "pid", "ready", "assigned", "outstanding", "eof",
         "retiring", "stopping", "dying", "init_error", "gone", "stop_deadline", "per_task",
-        "depth", "give_back_fd", "stealing", "head_since",
+        "depth", "give_back_fd", "stealing", "gave_back", "head_since",
     )
 
     def __init__(self, process: Any, conn: Any, crash_fd: int, give_back_fd: int) -> None:
@@ -107,6 +106,7 @@ class _Worker:
         self.crash_fd = crash_fd
         self.give_back_fd = give_back_fd  # written to ask for its queued tasks back
         self.stealing = False  # asked, not answered yet: nothing is sent to it meanwhile
+        self.gave_back = False  # gave tasks back: nothing is queued behind its running one
         self.head_since = 0.0  # when its oldest outstanding task started (about)
         self.pid: int = process.pid
         self.ready = False
@@ -273,12 +273,11 @@ class _Engine(QueueEngine):
             held = len(w.outstanding)
             if held == 0:
                 return w
-            if w.depth > 2 and held < w.depth and (best is None or held < len(best.outstanding)):
+            if w.depth > 2 and held < w.depth and not w.gave_back and (
+                best is None or held < len(best.outstanding)
+            ):
                 best = w
-        if best is not None and (
-            (msg is not None and not _queueable(msg))
-            or time.monotonic() - best.head_since >= _STEAL_AFTER
-        ):
+        if best is not None and msg is not None and not _queueable(msg):
             return None
         return best
 
@@ -452,6 +451,7 @@ class _Engine(QueueEngine):
                 self._room_limit = max(self._min_room, sum(x.depth for x in self.workers))
             self._answers.append((w.outstanding.popleft(), ok, value))
             w.head_since = time.monotonic()
+            w.gave_back = False
         elif tag == _READY:
             w.ready = True
             self._startup_failures = 0
@@ -612,7 +612,6 @@ class _Engine(QueueEngine):
         cannot be batched) until none is left (True) or no worker can take the next (False)."""
         batching = self._maxtasks is None
         planned_bytes: dict[_Worker, int] = {}
-        now = time.monotonic()
         while True:
             with self._lock:
                 npending = len(self._pending)
@@ -627,10 +626,8 @@ class _Engine(QueueEngine):
                 if held == 0:
                     idle = w
                     break
-                if held < w.depth and (busy is None or held < busy_held) and (
-                    now - w.head_since < _STEAL_AFTER or not w.outstanding
-                ):
-                    busy, busy_held = w, held  # the least loaded (whose task is not long)
+                if held < w.depth and (busy is None or held < busy_held) and not w.gave_back:
+                    busy, busy_held = w, held  # the least loaded
             if idle is None and (busy is None or npending < len(self.workers)):
                 return False
             with self._lock:
@@ -711,6 +708,7 @@ class _Engine(QueueEngine):
                 )
             back = [w.outstanding.pop() for _ in range(n)]
             w.assigned -= n
+            w.gave_back = True
             if w.retiring and w.assigned < (self._maxtasks or 0):
                 w.retiring = False  # it runs more before it exits (its successor runs already)
         with self._lock:
