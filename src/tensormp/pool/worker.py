@@ -259,11 +259,11 @@ def _worker_main(
     batch = hand.batch  # a batch's tasks not run yet (pickles or tuples), last first
     batch_fns: list[Any] = []  # its callables: pickles, loaded on first use
     done = 0
+    # The batch's next task, taken (and ``hand.running`` set) under the lock in the same step
+    # as the previous answer went out; None: read the channel.
+    data: Any = None
     while maxtasks is None or done < maxtasks:
         reply: Any = None
-        with lock:
-            data: Any = batch.pop() if batch else None
-            hand.running = data is not None
         if data is not None:
             fds: list[int] = []
             if type(data) is tuple:  # a light task: (seq, index of its callable, kind, args)
@@ -310,6 +310,8 @@ def _worker_main(
                     batch_fns = task[0]
                     with lock:
                         batch[:] = task[:0:-1]
+                        data = batch.pop() if batch else None
+                        hand.running = data is not None
                     continue
             finally:
                 reducers.process_args_parent(0)
@@ -321,7 +323,6 @@ def _worker_main(
                 reply = _run_task(conn, task, cache)
                 del task
         with lock:
-            hand.running = False
             try:
                 conn.send(reply)
             except (BrokenPipeError, ConnectionError, EOFError):
@@ -337,5 +338,7 @@ def _worker_main(
                 # can: the executor raises it, as concurrent.futures does.
                 error.pickling_error = e if _pickles(e) else None
                 conn.send((_RESULT, reply[1], False, _wrap(error), reply[4]))
+            data = batch.pop() if batch else None
+            hand.running = data is not None
         reply = None
         done += 1
