@@ -9,6 +9,9 @@ import multiprocessing.pool
 import os
 import pickle
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -212,3 +215,96 @@ def test_an_unpicklable_result_raises_what_concurrent_futures_raises():
     with ctx.Pool(1) as pool:  # the Pool keeps the stdlib Pool's type
         with pytest.raises(multiprocessing.pool.MaybeEncodingError):
             pool.apply(_make_lock, (0,))
+
+
+# -- as concurrent.futures: references, interpreter exit (issue 23, part 2) -----------------
+
+
+class _Box:
+    """A result the test can hold a weak reference to."""
+
+    def __init__(self, i):
+        self.i = i
+
+
+def _box(i):
+    return _Box(i)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("chunksize", [1, 3])
+def test_map_keeps_no_reference_to_a_yielded_result(chunksize):
+    import gc
+    import weakref
+
+    with _executor() as ex:
+        alive = []
+        for obj in ex.map(_box, range(10), chunksize=chunksize):
+            ref = weakref.ref(obj)
+            del obj
+            gc.collect()
+            alive.append(ref() is not None)
+    assert not any(alive), f"{sum(alive)} of 10 results yielded and dropped are still alive"
+
+
+def _run_script(tmp_path, body: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(body))
+    src = str(Path(mp.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", ["fork", METHOD])
+def test_an_executor_dropped_just_before_exit_prints_nothing(tmp_path, method):
+    body = f"""
+        import multiprocessing.util
+        import tensormp
+
+        def f(x):
+            return x
+
+        def main():
+            ex = tensormp.ProcessPoolExecutor(2, mp_context=tensormp.get_context({method!r}))
+            print(ex.submit(f, 1).result())  # no shutdown(): collected on return
+
+        if __name__ == "__main__":
+            # multiprocessing's exit function runs this last, unless it stopped before
+            multiprocessing.util.Finalize(None, print, ("last finalizer",), exitpriority=-100)
+            main()
+        """
+    for _ in range(5):
+        out = _run_script(tmp_path, body)
+        assert (out.returncode, out.stderr) == (0, ""), out.stderr[-3000:]
+        assert out.stdout.split() == ["1", "last", "finalizer"], out.stdout
+
+
+@pytest.mark.timeout(60)
+def test_submit_once_interpreter_shutdown_began_raises(tmp_path):
+    body = f"""
+        import atexit
+        import tensormp
+
+        def f(x):
+            return x
+
+        def hook():
+            try:
+                ex.submit(f, 2)
+            except RuntimeError as e:
+                print("RuntimeError:", e)
+            else:
+                print("submitted")
+
+        if __name__ == "__main__":
+            ex = tensormp.ProcessPoolExecutor(1, mp_context=tensormp.get_context({METHOD!r}))
+            print(ex.submit(f, 1).result())
+            atexit.register(hook)  # runs before tensormp's and multiprocessing's exit hooks
+        """
+    out = _run_script(tmp_path, body)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == [
+        "1", "RuntimeError: cannot schedule new futures after interpreter shutdown"
+    ], out.stdout + out.stderr[-3000:]

@@ -22,7 +22,8 @@ What differs from ``concurrent.futures``, and why:
 * Futures move to RUNNING when their task is sent to a worker, which may be shortly before the
   worker starts it (as ``concurrent.futures``, whose call queue holds a few tasks ahead; here
   a worker holds up to 32 tasks when its calls are tiny, about 2 ms of work, so
-  ``shutdown(cancel_futures=True)`` cancels those still waiting in the executor).
+  ``shutdown(cancel_futures=True)`` cancels those still waiting in the executor). A task that
+  a busy worker gives back unstarted, for an idle one, stays RUNNING.
 * ``shutdown(wait=True)``, at ``with`` exit or interpreter exit, waits for the submitted work,
   as ``concurrent.futures``; garbage collecting the executor lets the work finish without
   waiting.
@@ -34,6 +35,7 @@ import functools
 import itertools
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Executor, Future, InvalidStateError
 from concurrent.futures.process import BrokenProcessPool
@@ -83,10 +85,34 @@ def _future_sink(future: Future[Any], ok: bool, value: Any) -> None:
         pass
 
 
+# Interpreter exit, as concurrent.futures: threading's exit hooks (which run before atexit's)
+# mark it, so that submit() raises from then on, and wait for the executors that were garbage
+# collected without shutdown() to finish their work; else multiprocessing's exit function would
+# terminate their workers while their manager threads close them (and print the ValueError of
+# a closed process object).
+_shutting_down = False
+_closing: weakref.WeakSet[Engine] = weakref.WeakSet()  # those engines, until they are done
+
+
+def _python_exit() -> None:
+    global _shutting_down
+    _shutting_down = True
+    for engine in list(_closing):
+        engine.join()
+
+
+try:
+    threading._register_atexit(_python_exit)  # type: ignore[attr-defined]  # private, as cf's
+except RuntimeError:  # imported while the interpreter exits
+    _shutting_down = True
+
+
 def _close_at_gc(engine: Engine) -> None:
     engine.close()
-    if _mputil.is_exiting():  # interpreter exit: finish the work, as concurrent.futures
+    if _shutting_down or _mputil.is_exiting():  # finish the work, as concurrent.futures
         engine.join()
+    else:
+        _closing.add(engine)
 
 
 class ProcessPoolExecutor(Executor):
@@ -178,7 +204,7 @@ class ProcessPoolExecutor(Executor):
             raise self._engine.broken()
         if self._shutdown_thread:
             raise RuntimeError("cannot schedule new futures after shutdown")
-        if _mputil.is_exiting():
+        if _shutting_down or _mputil.is_exiting():
             raise RuntimeError("cannot schedule new futures after interpreter shutdown")
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
@@ -281,6 +307,8 @@ class ProcessPoolExecutor(Executor):
 def _results(
     futures: list[Future[Any]], end_time: float | None, reporter: _Progress | None
 ) -> Iterator[Any]:
+    # Keeps no reference to a result it has yielded, as concurrent.futures: each is popped from
+    # its chunk (the future's result list) as it goes out, and the future is dropped.
     done = 0
     try:
         futures.reverse()
@@ -290,11 +318,13 @@ def _results(
                 chunk = future.result()
             else:
                 chunk = future.result(end_time - time.monotonic())
-            for item in chunk:
+            del future
+            chunk.reverse()
+            while chunk:
                 done += 1
                 if reporter is not None:
                     reporter.update(done)
-                yield item
+                yield chunk.pop()
     finally:
         for future in futures:
             future.cancel()
