@@ -11,7 +11,7 @@ Counting the open fds costs a ``stat`` of ``/proc/self/fd`` (whose size is the c
 Linux 6.2; a listing on older kernels): about 9 us, too much for every message. So the count is
 taken when the fds received since the last count (:attr:`FdBudget.taken`, counted by the
 receiver, closes not subtracted) reach :attr:`FdBudget.slack`: the room the last count found
-beyond :data:`reserve` fds, at most 64 (so that fds the rest of the program opened meanwhile, or
+beyond :func:`reserve` fds, at most 64 (so that fds the rest of the program opened meanwhile, or
 a lowered limit, are seen within 64 received fds). A count that finds fewer than the reserve
 free gives back the cached fds (then ``slack`` is 0 and every receive counts again, until the
 pressure is gone). The same count sets the size of the idle-mapping cache (an eighth of the
