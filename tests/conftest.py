@@ -41,7 +41,8 @@ def pytest_runtest_makereport(item, call):
     resource left unclosed."""
     report = yield
     if report.passed:
-        leaks = [m.group(0) for title, text in report.sections if "stderr" in title
+        own = f"Captured stderr {report.when}"  # a report also carries the earlier phases'
+        leaks = [m.group(0) for title, text in report.sections if title == own
                  for m in _LEFT_UNCLOSED.finditer(text)]
         if leaks:
             report.outcome = "failed"
