@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import re
 import sys
 import time
 
@@ -20,6 +21,36 @@ from tensormp.strategies import _client
 multiprocessing.set_forkserver_preload(["numpy", "tensormp", "pytest", "psutil", "conftest"])
 START_METHODS = ["spawn", "fork", "forkserver"]
 STRATEGIES = ["file_descriptor", "file_system"]
+
+# Child processes of tests print every ResourceWarning (a resource left to the garbage
+# collector: an unclosed socket, file...), and a test whose captured output shows one fails
+# (pytest_runtest_makereport below). "default", not "error": an error raised inside a finalizer
+# is printed the same way, and anywhere else it would change what the child does. Set before
+# the fork server starts, so its children see it too; fork children keep pytest's filters.
+os.environ["PYTHONWARNINGS"] = ",".join(
+    filter(None, [os.environ.get("PYTHONWARNINGS"), "default::ResourceWarning"])
+)
+# What the warning looks like when an object is collected unclosed (the stdlib's own deliberate
+# "unclosed running multiprocessing pool" warning, which tests provoke, is not such a leak).
+_LEFT_UNCLOSED = re.compile(r"ResourceWarning: unclosed (?!running multiprocessing pool).*")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Fail a passing test whose captured stderr (its child processes' included) shows a
+    resource left unclosed."""
+    report = yield
+    if report.passed:
+        own = f"Captured stderr {report.when}"  # a report also carries the earlier phases'
+        leaks = [m.group(0) for title, text in report.sections if title == own
+                 for m in _LEFT_UNCLOSED.finditer(text)]
+        if leaks:
+            report.outcome = "failed"
+            report.longrepr = (
+                f"a process of this test left resources to the garbage collector ({call.when}):"
+                "\n  " + "\n  ".join(leaks)
+            )
+    return report
 
 
 def _fds() -> dict[int, str]:

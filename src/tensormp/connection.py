@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 from . import _fdpass, _testhooks, reducers
 from .errors import FdLimitError
+from .memory import fdbudget
 
 __all__ = ["Connection", "Pipe"]
 
@@ -86,6 +87,7 @@ _F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
 _F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
 _F_OFD_SETLKW = getattr(fcntl, "F_OFD_SETLKW", 38)
 _POOL_COUNT = 4  # payload memfds per connection end and process (large messages unread)
+_budget = fdbudget.budget
 
 
 class Record:
@@ -348,6 +350,9 @@ class Connection(_mpc.Connection):
         if _hooks:
             _testhooks.reached("recv.begin")
         sock = self._sock
+        budget = _budget
+        if budget.taken >= budget.slack:  # room for the fds this record may carry (fdbudget.py)
+            budget.make_room()
         # Nothing to flush before waiting: holds and releases go out within 50 ms on the
         # release timer (memory/release.py), blocked or not. So a blocking read goes straight
         # to the kernel (no MSG_DONTWAIT probe first: one syscall less per idle wait).
@@ -357,7 +362,11 @@ class Connection(_mpc.Connection):
             )
         except BlockingIOError:
             return None
-        fds = _fdpass.fds_of(anc) if anc else []
+        if anc:
+            fds = _fdpass.fds_of(anc)
+            budget.taken += len(fds)
+        else:
+            fds = []
         if _hooks:
             _testhooks.reached("recv.got")
         if not data:
@@ -369,13 +378,9 @@ class Connection(_mpc.Connection):
         kind, ntok, _, nfds, length, slot = HEADER.unpack_from(data)
         if flags & _MSG_CTRUNC:
             _fdpass.close_all(fds)
-            raise FdLimitError(
-                errno.EMFILE,
-                f"a message arrived with {nfds} file descriptors but not all could be "
-                "received: this process is out of fds (RLIMIT_NOFILE). The message was "
-                "dropped and the connection stays usable; raise the limit (ulimit -n) or keep "
-                "fewer arrays alive",
-            )
+            budget.slack = 0  # count again before the next record
+            carried = ntok + (1 if kind & LARGE else 0) + (1 if kind & BAG else nfds)
+            raise FdLimitError(errno.EMFILE, fdbudget.shortage(carried, len(fds)))
         tokens = fds[:ntok] if ntok else []
         rest = fds[ntok:] if ntok else fds
         if not kind:
@@ -396,12 +401,17 @@ class Connection(_mpc.Connection):
                     raise OSError(errno.EBADMSG, f"a payload of {length} bytes holds {len(body)}")
             else:
                 body = data[HEADER.size :]
+            if kind & BAG:  # its fds are installed from the bag now: room for them first
+                budget.taken += nfds
+                if budget.taken >= budget.slack:
+                    budget.make_room()
             try:
                 msg_fds = _fdpass.unpack(rest, nfds, nfds if kind & BAG == 0 else 0)
             except OSError as e:
                 rest = []
                 if e.errno == errno.EMFILE:
-                    raise FdLimitError(errno.EMFILE, f"{e.strerror}; the message was dropped") from None
+                    budget.slack = 0
+                    raise FdLimitError(errno.EMFILE, fdbudget.shortage(nfds, None)) from None
                 raise
         except BaseException:
             _fdpass.close_all(tokens)

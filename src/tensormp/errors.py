@@ -39,5 +39,7 @@ class HandleError(TensormpError, RuntimeError):
 class FdLimitError(TensormpError, OSError):
     """A message's file descriptors could not be received: the process is out of fds.
 
-    ``errno`` is ``EMFILE``. The message is dropped whole and the connection stays usable.
+    ``errno`` is ``EMFILE``. Raised only once the fds kept for reuse (idle mappings, cached
+    segments) were given back: the rest are in use (arrays alive, files open). The message is
+    dropped whole and the connection stays usable; the text gives the counts.
     """

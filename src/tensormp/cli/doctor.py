@@ -154,11 +154,21 @@ def _check_nofile() -> Check:
            "that maps it (small arrays share 4 MiB+ arenas; each large array is one segment), "
            "and for non-root users the kernel caps fds in flight per user at this limit")
     if soft < 1024:
+        if soft < hard:
+            to = min(hard, 65536)
+            fix = (f"raise the soft limit up to the hard one, no privileges needed: `ulimit -n "
+                   f"{to}` in the shell, or resource.setrlimit(resource.RLIMIT_NOFILE, ({to}, "
+                   f"{hard_s if hard != resource.RLIM_INFINITY else 'resource.RLIM_INFINITY'}))"
+                   " at start-up")
+        else:
+            fix = ("the hard limit is the same, so only whoever starts the process can raise it: "
+                   "`nofile` in /etc/security/limits.conf, `docker run --ulimit nofile=65536:65536`"
+                   ", `LimitNOFILE=65536` in a systemd unit; or use the file_system strategy "
+                   "(tensormp.set_sharing_strategy('file_system')), which keeps no fd per "
+                   "segment")
         return Check(
             "nofile", "WARN", f"RLIMIT_NOFILE soft limit {soft} (hard {hard_s}) is below the "
-            f"usual 1024: {why}",
-            f"raise it: `ulimit -n {hard if hard != resource.RLIM_INFINITY else 65536}`, or "
-            "resource.setrlimit(resource.RLIMIT_NOFILE, ...) at start-up", data,
+            f"usual 1024: {why}", fix, data,
         )
     raise_hint = f"; can be raised to {hard_s} without privileges (ulimit -n)" if soft < hard else ""
     return Check("nofile", "OK", f"RLIMIT_NOFILE {soft} (hard {hard_s}){raise_hint}", data=data)

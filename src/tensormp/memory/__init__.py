@@ -10,7 +10,9 @@ Layers, each importing only those below it (and ``errors``, ``liveness``):
 * ``foreign.py``: the cache of idle mappings of other processes' segments, and its reaper;
 * ``holds.py``: hold accounting, the two ends of the release protocol inside a process;
 * ``state.py``: ``MemoryState``, all of the above for one process (replaced whole at fork);
-* ``allocator.py``: the public functions over the current state, exit and fork.
+* ``allocator.py``: the public functions over the current state, exit and fork;
+* ``fdbudget.py``: room for the fds of the next message (receivers give back cached fds
+  before they could run out); loads the allocator only if the process already has.
 
 Names are loaded on first use: importing ``tensormp.memory.release`` or ``.segment`` does not
 import numpy (the allocator does).

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from .. import strategies
+from ..errors import FdLimitError
 from . import holds, release
 from .arenas import SMALL_MAX, env_cache_limit
 from .blocks import Block, RootRef
@@ -114,7 +115,12 @@ def allocate(nbytes: int) -> np.ndarray:
         server.drain()
     with st:
         release.maybe_flush()
-        return st.make_root(st.arenas.allocate(nbytes))
+        try:
+            block = st.arenas.allocate(nbytes)
+        except FdLimitError:  # give back the fds kept only for reuse, and try once more
+            st.trim_caches()
+            block = st.arenas.allocate(nbytes)
+        return st.make_root(block)
 
 
 def allocate_sent(nbytes: int) -> Block:
@@ -130,7 +136,11 @@ def allocate_sent(nbytes: int) -> Block:
     st.lock.acquire()
     try:
         arenas = st.arenas
-        block = arenas.allocate(nbytes)
+        try:
+            block = arenas.allocate(nbytes)
+        except FdLimitError:  # as allocate()
+            st.trim_caches()
+            block = arenas.allocate(nbytes)
         seg = block.segment
         if not seg.owner_addr:
             seg.owner_addr = st.address()
@@ -395,6 +405,10 @@ def process_exiting() -> None:
         for seg in list(st.segments.values()):
             if seg.creator_pid == pid and seg.id not in held and seg.id not in st.forked_segments:
                 seg.strategy.remove(seg)  # its name, if it has one
+    # Nothing more to tell anyone: close the sockets that told them, rather than leave them to
+    # the interpreter's last collection (a ResourceWarning each under -X dev).
+    release.close_clients()
+    strategies.close_connections()
 
 
 def memory_stats() -> dict[str, int]:
@@ -431,8 +445,7 @@ def empty_cache() -> None:
     mappings of other processes' segments. Memory in use is untouched."""
     st = _state
     with st:
-        st.arenas.trim(0)
-        st.foreign.trim(0)
+        st.trim_caches()
 
 
 def set_cache_limit(nbytes: int) -> None:

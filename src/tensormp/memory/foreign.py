@@ -1,7 +1,9 @@
 """The cache of idle mappings of other processes' segments, and its reaper thread.
 
 A receiver whose last root in a segment of another process died keeps the segment mapped
-(an LRU bounded in bytes by the cache limit and in number by ``FOREIGN_CACHE_MAX``), so the
+(an LRU bounded in bytes by the cache limit and in number by :func:`count_cap`: at most
+``FOREIGN_CACHE_MAX``, and an eighth of the soft ``RLIMIT_NOFILE``, since each idle
+``file_descriptor`` mapping keeps its segment's fd open), so the
 next array in the same segment costs no mmap and no page faults: a consumer that takes arrays
 one by one makes a segment idle and busy again for every array, so nothing slower than a dict
 update happens on that path. Only while the segment's creator lives: a dead creator never
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import os
+import resource
 import sys
 import threading
 import time
@@ -26,9 +29,20 @@ from contextlib import AbstractContextManager
 from ..liveness import process_start_time
 from .segment import Segment
 
-__all__ = ["FOREIGN_CACHE_MAX", "ForeignCache", "creator_alive"]
+__all__ = ["FOREIGN_CACHE_MAX", "ForeignCache", "count_cap", "creator_alive"]
 
-FOREIGN_CACHE_MAX = 64  # idle mappings of other processes' segments kept (fds)
+FOREIGN_CACHE_MAX = 64  # idle mappings of other processes' segments kept (fds), at most
+
+
+def count_cap(soft_limit: int | None = None) -> int:
+    """How many idle mappings to keep under the soft fd limit ``soft_limit`` (read with
+    ``getrlimit`` when None): an eighth of it, at most ``FOREIGN_CACHE_MAX``, at least 1. At
+    the usual 1024 that is 64; at 64, 8: the cache never takes the fds a message needs."""
+    if soft_limit is None:
+        soft_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft_limit == resource.RLIM_INFINITY or soft_limit < 0:
+        return FOREIGN_CACHE_MAX
+    return max(1, min(FOREIGN_CACHE_MAX, soft_limit // 8))
 
 
 def creator_alive(seg: Segment, thorough: bool = False) -> bool:
@@ -53,11 +67,12 @@ class ForeignCache:
             calls :meth:`unidle`).
     """
 
-    __slots__ = ("idle", "idle_bytes", "reaper", "close")
+    __slots__ = ("idle", "idle_bytes", "max_count", "reaper", "close")
 
     def __init__(self, close: Callable[[Segment], None]) -> None:
         self.idle: collections.OrderedDict[bytes, Segment] = collections.OrderedDict()
         self.idle_bytes = 0  # sum of the sizes in idle
+        self.max_count = count_cap()  # updated when the fd limit is read again (fdbudget.py)
         self.reaper: threading.Thread | None = None  # None exactly while no reaper runs
         self.close = close
 
@@ -71,7 +86,7 @@ class ForeignCache:
         if seg.id not in idle:
             self.idle_bytes += seg.size
             idle[seg.id] = seg
-            if self.idle_bytes > limit or len(idle) > FOREIGN_CACHE_MAX:
+            if self.idle_bytes > limit or len(idle) > self.max_count:
                 self.trim(limit)
         else:
             idle.move_to_end(seg.id)
@@ -86,9 +101,9 @@ class ForeignCache:
 
     def trim(self, limit_bytes: int) -> None:
         """Unmap the least recently used idle mappings until at most ``limit_bytes`` (and
-        ``FOREIGN_CACHE_MAX`` mappings) stay."""
+        ``max_count`` mappings) stay."""
         idle = self.idle
-        while idle and (self.idle_bytes > limit_bytes or len(idle) > FOREIGN_CACHE_MAX):
+        while idle and (self.idle_bytes > limit_bytes or len(idle) > self.max_count):
             seg = next(iter(idle.values()))
             self.unidle(seg.id)
             self.close(seg)

@@ -89,6 +89,7 @@ __all__ = [
     "ReleaseServer", "send_records", "pack", "post", "post_flush", "maybe_flush", "take_queued",
     "schedule_flush",
     "has_queued", "set_flusher", "flush", "process_start_time", "reset_after_fork",
+    "close_clients",
 ]
 
 _RECORD = struct.Struct("<c16sQIQ")  # op, segment id, block offset, count, acquire token
@@ -214,6 +215,14 @@ def _client_socket(blocking: bool = False) -> socket.socket:
             sock.setblocking(False)
         _clients[blocking] = sock
     return sock
+
+
+def close_clients() -> None:
+    """Close the sending sockets (at exit: left to the interpreter they would each raise a
+    ``ResourceWarning``); a later send opens new ones."""
+    for sock in _clients.values():
+        sock.close()
+    _clients.clear()
 
 
 def _sendto(address: bytes, data: bytes, blocking: bool) -> bool | None:

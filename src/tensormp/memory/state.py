@@ -176,6 +176,12 @@ class MemoryState:
         ):
             self.foreign.keep(seg, arenas.cache_limit, self, self.exiting)
 
+    def trim_caches(self) -> None:
+        """Unmap what is kept only for reuse: free blocks, unused arenas, cached large segments
+        and idle foreign mappings, closing their fds (the lock is held)."""
+        self.arenas.trim(0)
+        self.foreign.trim(0)
+
     def close_if_unused(self, seg: Segment) -> None:
         """Unmap ``seg`` unless a root in it lives (or it is closed already)."""
         if seg.roots or seg.closed:

@@ -9,8 +9,13 @@ pickle whatever the array's size. The bytes themselves never enter the pickle.
 * An array whose memory is a tensormp block (allocated by tensormp, ``share()``d, or received)
   crosses as a handle to that block: both sides see each other's writes; views keep their
   offset, shape and strides.
-* Any other array is copied once into a fresh block (keeping C or Fortran order) and that block
-  crosses; the receiver gets a shared array, the sender's array is untouched.
+* Any other array is copied once into a fresh block (keeping C or Fortran order; an array with
+  zero or overlapping strides, such as ``np.broadcast_to`` or ``sliding_window_view`` of one,
+  is copied element by element in C order) and that block crosses; the receiver gets a shared,
+  writable array (even if the sender's was read-only: the copy is the receiver's own, as the
+  stdlib's unpickled copy is), the sender's array is untouched.
+* A read-only view of shared memory arrives read-only (the receiver's view of the same bytes
+  keeps the sender's flag).
 * Arrays whose dtype holds Python objects, and numpy subclasses (``np.memmap``,
   ``np.recarray``, ``np.ma.MaskedArray``, ``np.matrix``...), are pickled the ordinary way
   (by value, keeping their type): the dispatch is on the exact type ``numpy.ndarray``.
@@ -141,11 +146,13 @@ def reduce_ndarray(a: np.ndarray) -> str | tuple[Any, ...]:
     msg = current_message()
     if msg is None or a.dtype.hasobject:
         return a.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-    readonly = not a.flags.writeable
     found = find_block(a)
     if found is None:
         # Not shared yet: one copy into a fresh block that only the receiver will view (this
-        # process keeps none: see allocate_sent); its handle is counted as it is made.
+        # process keeps none: see allocate_sent); its handle is counted as it is made. The
+        # copy is the receiver's own memory, so it arrives writable whatever ``a`` was
+        # (read-only, broadcast, overlapping windows), as the stdlib's unpickled copy does.
+        readonly = False
         block = allocate_sent(a.nbytes)
         msg.on_abandon(forget_handle, block)
         seg = block.segment
@@ -155,6 +162,9 @@ def reduce_ndarray(a: np.ndarray) -> str | tuple[Any, ...]:
         token = 0
         msg.noted.append(block)
     else:
+        # Shared memory: the receiver sees the very bytes the sender's view sees, with its
+        # flag (a read-only view stays read-only: a broadcast view's writes would alias).
+        readonly = not a.flags.writeable
         block, root = found
         seg = block.segment
         owner_addr, token = note_handle(block)

@@ -146,6 +146,22 @@ def flush_pending() -> None:
         flush()
 
 
+_closers: list[Callable[[], None]] = []
+
+
+def add_closer(close: Callable[[], None]) -> None:
+    """Have ``close()`` called when this process is done with shared memory (exit, after the
+    last flush): it closes the strategy's connections, which would otherwise be left for the
+    interpreter to collect (a ``ResourceWarning`` at exit)."""
+    _closers.append(close)
+
+
+def close_connections() -> None:
+    """Run every registered closer (see :func:`add_closer`)."""
+    for close in _closers:
+        close()
+
+
 def get_all_sharing_strategies() -> set[str]:
     """The sharing strategies this build supports (a set, as in torch)."""
     return set(_AVAILABLE)

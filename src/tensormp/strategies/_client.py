@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import TensormpError
-from . import _daemon
+from . import _daemon, add_closer
 from . import file_system as fs
 
 __all__ = ["created", "request", "connection_fd", "start_daemon"]
@@ -223,4 +223,15 @@ def _after_fork_in_child() -> None:
         _sock = None
 
 
+def _close() -> None:
+    """Close the connection once this process is done (exit): the daemon reads what it holds
+    first, and a record sent later connects again."""
+    global _sock
+    with _lock:
+        if _sock is not None:
+            _sock.close()
+            _sock = None
+
+
 os.register_at_fork(after_in_child=_after_fork_in_child)
+add_closer(_close)
