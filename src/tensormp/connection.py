@@ -470,14 +470,13 @@ class Connection(_mpc.Connection):
         msg.sent()
         return True
 
-    def send_message(self, msg: reducers.Message, slot: int = NO_SLOT) -> None:
+    def send_message(self, msg: reducers.Message) -> None:
         """Send an already pickled :class:`~tensormp.reducers.Message` (blocks while the
-        socket is full); ``slot`` goes in the record's header (``Record.slot``: a queue's
-        slot, the number of tasks a pool's batch carries)."""
+        socket is full)."""
         self._check_closed()
         self._check_writable()
         reducers.flush_release_records()  # holds reach creators before our results do
-        self.write_record(msg.data, msg.fds, slot=slot)
+        self.write_record(msg.data, msg.fds)
         msg.sent()
 
     def recv(self) -> Any:
