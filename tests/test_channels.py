@@ -202,7 +202,7 @@ CONSUMER_CASES = [
     ("recv.got", "large", 1),
     ("recv.payload", "large", 1),   # payload read, not unpickled
     ("recv.payload", "bag", 1),     # fds out of the bag
-    ("recv.loaded", "small", 1),    # unpickled, slot not given back yet
+    ("recv.loaded", "small", 1),    # unpickled, task token not kept yet
     ("recv.done", "small", 1),      # everything done, not returned
 ]
 

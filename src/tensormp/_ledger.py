@@ -205,7 +205,11 @@ class Ledger:
             bell[0].setblocking(True)  # a sleeper waits in recv: one ring wakes one sleeper
             bell[1].setblocking(False)
         self._ring = min(self.maxsize, _RING_MAX - 2) + 2
-        self._hdr = _pid_area() // 8  # word index of the bounded queue's header
+        # The rows end where the file's tail (a bounded queue's header and log) begins: from
+        # the file's own size, so every process agrees whatever pid_max says meanwhile.
+        size = os.fstat(fd).st_size
+        self._rows = size - (8 * (_LOG + self._ring) if self.maxsize else 0)
+        self._hdr = self._rows // 8  # word index of the bounded queue's header
         self._counts: _Counters | None = None
         self._view = _NO_VIEW  # _counts.array once this process maps it
         self._mine = -1
@@ -474,7 +478,7 @@ class Ledger:
         """Subtract the reservations and waiters of dead processes (holding W)."""
         self._reclaim_due = False
         view, fd = self._view, self._fd
-        size = _pid_area()
+        size = self._rows
         pos = 0
         while pos < size:
             try:
@@ -559,7 +563,7 @@ class Ledger:
         """Puts minus gets of every process that ever counted (at least 0)."""
         if self._counts is None:
             self._counts = _Counters(self._fd)
-        return max(0, self._counts.balance(_pid_area()))
+        return max(0, self._counts.balance(self._rows))
 
     def __repr__(self) -> str:
         return f"<Ledger maxsize={self.maxsize} joinable={self.joinable} fd={self._fd}>"

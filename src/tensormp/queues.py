@@ -10,12 +10,13 @@ Same API and semantics as the stdlib's (``multiprocessing.queues``), with these 
 * The pipe underneath is a Unix ``SOCK_SEQPACKET`` socket pair (``connection.py``): each
   message is one record, carrying the fds of shared-memory segments, and a consumer can
   rebuild arrays whose producer has exited.
-* No lock is shared between processes. The stdlib guards the pipe with a read lock and a
+* No lock that a dead process can keep. The stdlib guards the pipe with a read lock and a
   write lock (POSIX semaphores), and counts slots and unfinished tasks in semaphores: a
   process killed while holding one of them, or half-way through writing a message, wedges the
   queue for every other process. Here the kernel keeps records whole (concurrent writers and
-  readers need no lock), and slots and tasks are tokens that the kernel gives back when their
-  holder dies (``_ledger.py``).
+  readers need no lock), counts a bounded queue's items (the records in the socket; producers
+  write holding an OFD lock, which the kernel drops when its holder dies), and holds tasks as
+  tokens that it gives back when their holder dies (``_ledger.py``).
 
 Delivery rule (what survivors see when any process is SIGKILLed at any instant)
 ---------------------------------------------------------------------------------
@@ -28,12 +29,15 @@ The only messages lost are:
   this process is waiting, which is the usual case);
 * a consumer's message already taken from the socket by the ``get()`` it was in.
 
-A slot of a bounded queue and a task of a ``JoinableQueue`` held by a process that died are
-given back (the slot at once; a ``put()`` blocked on a full queue retries within 250 ms). An
-item whose taker died before ``task_done()`` counts as done: ``join()`` never waits for the
-dead. ``qsize()`` of a bounded queue is exact (it counts live slot tokens); of an unbounded
-queue it is approximate, and may stay off by one for each process killed in the middle of a
-``put()`` or a ``get()``.
+A bounded queue's slot is free once its record is taken from the socket (a consumer holds
+none); a producer killed while writing has its record counted if and only if it was written;
+the slots of messages a dead producer left to its feeder come back within a blocked
+``put()``'s back-off (250 ms at most) and at ``qsize()``. A task of a ``JoinableQueue`` held by
+a process that died is given back; an item whose taker died before ``task_done()`` counts as
+done: ``join()`` never waits for the dead. ``qsize()`` of a bounded queue is exact (records in
+the socket, by their numbers, plus messages left to feeders of live producers); of an
+unbounded queue it is approximate, and may stay off by one for each process killed in the
+middle of a ``put()`` or a ``get()``.
 
 How put() writes
 ----------------
@@ -49,6 +53,11 @@ turns on the GIL for every message) as one that writes itself.
 
 A message in the feeder's buffer keeps the memory it refers to (and its tokens) alive until
 the feeder has written it; from then on the kernel holds the fds in flight.
+
+A bounded queue's ``put()`` takes the ledger's write lock ``W`` first (room check, write, count;
+``_ledger.py``), then ``_direct``; so does the feeder: one order, no deadlock. Its socket asks for
+a 4 MiB send buffer (the kernel caps it at ``net.core.wmem_max``), so that ``maxsize`` small
+records fit and ``put()`` rarely leaves one to the feeder.
 """
 
 from __future__ import annotations
