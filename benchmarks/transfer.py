@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Transfer benchmark: tensormp against stdlib ``multiprocessing`` and ``torch.multiprocessing``.
 
-Run ``python benchmarks/transfer.py`` (1.5 to 3 minutes on 2 cores), ``--quick`` (about 30 s),
-``--only big,pingpong`` to pick workloads (``big``, ``pingpong``, ``small``, ``medium``),
+Run ``python benchmarks/transfer.py`` (1.5 to 3 minutes on 2 cores, plus about 5 for ``bounded``
+and ``fifo``), ``--quick`` (about 30 s, 2 minutes with those), ``--only big,pingpong`` to pick
+workloads (``big``, ``pingpong``, ``small``, ``medium``, ``bounded``, ``fifo``),
 ``--no-torch`` to leave torch out, ``--strategy file_system`` for tensormp's named
 segments, ``-v`` to see how long each pair of workers ran. Every
 number is a median over repetitions measured in this run, warm-up excluded; every ratio compares
@@ -67,6 +68,18 @@ Workloads
     fd shows as the failure users meet; a failure is caught and reported, never a crash.
     torch runs fewer items (it is an order of magnitude slower per item): the output says how
     many. Targets: tensormp per item <= stdlib per item; fds flat (growth <= 1 per 100 items).
+``bounded``: N producers -> M consumers through one ``Queue(maxsize=4096)`` (and unbounded).
+    1, 2 and 4 producers to 1 consumer, 1 producer to 4 consumers; 64-byte ``bytes`` and fresh
+    4 KiB float32 arrays; each item names its producer and number and the consumer checks it
+    (whole, in its producer's order). All processes (spawn) start, pass a tenth more items as
+    a warm-up, then begin together; per item = wall time from the start signal to the last
+    consumer's last item / items. Methods in turns, 3 repetitions (1 with ``--quick``),
+    medians. faster-fifo 1.5.2 (``pip install 'tensormp[bench]'``) runs as a third column
+    when installed. Target: tensormp <= the stdlib's bounded queue per item, every pattern.
+``fifo``: the same harness, 1 producer -> 1 consumer, tensormp's ``Queue`` against faster-fifo
+    (a C++ ring buffer in shared memory under a process-shared mutex), put/get one at a time
+    and, where tensormp has them, ``put_many``/``get_many`` in batches of 100. Target:
+    tensormp <= faster-fifo per item.
 """
 
 from __future__ import annotations
@@ -436,6 +449,12 @@ def _drain(q: Any, quiet_s: float = 0.5, limit_s: float = 10.0) -> bool:
 # =============================================================================================
 # Workloads "bounded" and "fifo": many small items, several producers or consumers
 # =============================================================================================
+def _cpu_s() -> float:
+    """CPU seconds (user + system) this process has used."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _flow_queue(method: str, maxsize: int) -> Any:
     """A queue of ``method`` holding at most ``maxsize`` items (0: unbounded)."""
     if method == "faster-fifo":
@@ -476,6 +495,7 @@ def _flow_producer(method: str, payload: str, n: int, warm: int, batch: int, tag
             q.put(_flow_item(payload, tag, i), **timeout)
         ready.release()
         go.wait()
+        cpu = _cpu_s()
         if batch > 1:
             for first in range(warm, warm + n, batch):
                 q.put_many([_flow_item(payload, tag, i)
@@ -486,7 +506,7 @@ def _flow_producer(method: str, payload: str, n: int, warm: int, batch: int, tag
         if method != "faster-fifo":
             q.close()
             q.join_thread()
-        return {}
+        return {"cpu": _cpu_s() - cpu}
 
     _guard(body, result)
 
@@ -500,6 +520,7 @@ def _flow_consumer(method: str, payload: str, n: int, warm: int, batch: int, q: 
             _flow_check(payload, q.get(timeout=GET_TIMEOUT), last)
         ready.release()
         go.wait()
+        cpu = _cpu_s()
         got = 0
         if batch > 1:
             while got < n:
@@ -510,7 +531,7 @@ def _flow_consumer(method: str, payload: str, n: int, warm: int, batch: int, q: 
             while got < n:
                 _flow_check(payload, q.get(timeout=GET_TIMEOUT), last)
                 got += 1
-        return {"end": time.perf_counter()}
+        return {"end": time.perf_counter(), "cpu": _cpu_s() - cpu}
 
     _guard(body, result)
 
@@ -575,10 +596,11 @@ def _run_trial(method: str, specs: list[tuple[Callable[..., None], tuple[Any, ..
 
 
 def _run_flow(method: str, producers: int, consumers: int, maxsize: int, payload: str, n: int,
-              batch: int, timeout: float) -> tuple[float | None, list[str], str | None]:
+              batch: int, timeout: float) -> tuple[float | None, float, list[str], str | None]:
     """``producers`` -> ``consumers`` processes (spawn) through one queue of ``method``; every
-    worker starts and passes a tenth of ``n`` items more as a warm-up, then all begin at once. Returns (seconds from the start signal to
-    the last consumer's last item, clean-up notes, error)."""
+    worker starts and passes a tenth of ``n`` items more as a warm-up, then all begin at once.
+    Returns (seconds from the start signal to the last consumer's last item, CPU seconds of all
+    workers meanwhile, clean-up notes, error)."""
     std = multiprocessing.get_context("spawn")
     ready, go = std.Semaphore(0), std.Event()
     q = _flow_queue(method, maxsize)
@@ -630,8 +652,8 @@ def _run_flow(method: str, producers: int, consumers: int, maxsize: int, payload
         error = "; ".join(errors)
     ends = [r["end"] for r in results if "end" in r]
     if error or len(ends) != consumers:
-        return None, cleanup, error or "missing results"
-    return max(ends) - start, cleanup, None
+        return None, 0.0, cleanup, error or "missing results"
+    return max(ends) - start, sum(r.get("cpu", 0.0) for r in results), cleanup, None
 
 
 def _fmt_t(s: float | None) -> str:
@@ -899,26 +921,31 @@ class Bench:
         """Run each case (label, producers, consumers, maxsize, payload, batch) for every method,
         alternating the methods' order repetition by repetition; one row per case."""
         reps = 1 if self.quick else 3
-        print(f"\n== {title}: items/s, median of {reps} alternating repetition(s); fresh spawn "
-              "processes each time, every item checked ==", flush=True)
+        print(f"\n== {title}: items/s (CPU of all workers per item), median of {reps} "
+              "alternating repetition(s); fresh spawn processes each time, every item checked ==",
+              flush=True)
         for label, producers, consumers, maxsize, payload, batch in cases:
             n = (5_000 if self.quick else 20_000) if payload == "64 B" else (
                 3_000 if self.quick else 10_000)
             times: dict[str, list[float]] = {m: [] for m in methods}
+            cpus: dict[str, list[float]] = {m: [] for m in methods}
             failed = set()
             for rep in range(reps):
                 order = methods[rep % len(methods):] + methods[:rep % len(methods)]
                 for m in order:
-                    took, cleanup, error = _run_flow(m, producers, consumers, maxsize, payload, n,
-                                                     batch, timeout=120)
+                    took, cpu, cleanup, error = _run_flow(m, producers, consumers, maxsize,
+                                                          payload, n, batch, timeout=120)
                     self.cleanup += cleanup
                     if error:
                         print(f"  {label} {m} FAILED: {error}", flush=True)
                         failed.add(m)
                     elif took:
                         times[m].append(took / (n // producers * producers))
+                        cpus[m].append(cpu / (n // producers * producers))
             per = {m: _median(times[m]) for m in methods}
-            text = "  ".join(f"{m} {1 / per[m]:>9,.0f}/s" if per[m] else f"{m} -" for m in methods)
+            cpu_per = {m: _median(cpus[m]) for m in methods}
+            text = "  ".join(f"{m} {1 / per[m]:>8,.0f}/s ({cpu_per[m] * 1e6:.1f} us CPU)"
+                             if per[m] and cpu_per[m] else f"{m} -" for m in methods)
             print(f"  {label:38s} {text}", flush=True)
             tm, ref = per.get("tensormp"), per.get(reference)
             target = targets.get(label.split(",")[0])

@@ -221,7 +221,7 @@ class Ledger:
         if self._mine >= 0:
             os.close(self._mine)  # the parent's OFD: its locks stay the parent's
         self._mine = -1  # our own OFD: row lock for life, W while writing
-        self._pid = os.getpid()
+        self._row = os.getpid()  # our row (our pid's, unless another live process holds it)
         self._path = f"/proc/self/fd/{self._fd}"
         self._ci = -1  # index of our "put" counter (2 * pid), once known
         self._wlock = threading.Lock()  # the threads of this process, around W
@@ -363,10 +363,17 @@ class Ledger:
         """Open our OFD and lock our row (once per process), before taking W."""
         mine = self._reopen()
         try:
-            fcntl.fcntl(mine, _F_OFD_SETLKW, _FLOCK.pack(_WR, 0, ROW_BASE + self._pid, 1, 0))
+            rows = self._rows // 16
+            # Our pid's row; taken only if a process of another pid namespace has our pid.
+            for row in (self._row, *range(rows - 1, 0, -1)):
+                if _lock(mine, _F_OFD_SETLK, _WR, ROW_BASE + row):
+                    break
+            else:
+                raise OSError(errno.EMFILE, f"no free row in {self!r}")
+            self._row = row
             fcntl.fcntl(mine, _F_OFD_SETLKW, _W_LOCK)
-            try:  # what a dead process with our pid left in our row is not ours
-                self._forget_row(self._pid)
+            try:  # what a dead process left in this row is not ours
+                self._forget_row(row)
             finally:
                 fcntl.fcntl(mine, _F_OFD_SETLK, _W_UNLOCK)
         except BaseException:
@@ -375,10 +382,10 @@ class Ledger:
         self._mine = mine
         return mine
 
-    def _forget_row(self, pid: int) -> None:
+    def _forget_row(self, row: int) -> None:
         """Subtract a dead process's reservations and waiters (holding W)."""
         view, hdr = self._view, self._hdr
-        i = 2 * pid
+        i = 2 * row
         if view[i] or view[i + 1]:
             view[hdr + _RES] -= view[i]
             view[hdr + _WAITERS] -= view[i + 1]
@@ -388,7 +395,7 @@ class Ledger:
         """Count a sleeper in or out of WAITERS and our row (holding W)."""
         view = self._view
         view[self._hdr + _WAITERS] += delta
-        view[2 * self._pid + 1] += delta
+        view[2 * self._row + 1] += delta
 
     def _refresh(self, sock: socket.socket) -> None:
         """D from the number of the head record (holding W: no record is being written)."""
@@ -443,7 +450,7 @@ class Ledger:
         """Count a message left to the feeder (holding W); ``-1`` once written or dropped."""
         view = self._view
         view[self._hdr + _RES] += count
-        view[2 * self._pid] += count
+        view[2 * self._row] += count
 
     def _resolve(self, sock: socket.socket) -> None:
         """The previous holder of W died while writing: count its record if it was sent."""
@@ -489,7 +496,7 @@ class Ledger:
                 break
             end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
             for i in range(start // 8 & ~1, end // 8, 2):
-                if (view[i] or view[i + 1]) and i // 2 != self._pid:
+                if (view[i] or view[i + 1]) and i // 2 != self._row:
                     if _held(fd, ROW_BASE + i // 2, 1) is None:
                         self._forget_row(i // 2)
             pos = end
