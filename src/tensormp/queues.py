@@ -95,6 +95,7 @@ _DIRECT_WAIT = 0.001
 # Asked for as a bounded queue's send buffer (the kernel caps it at net.core.wmem_max): the
 # default (208 KiB) holds about 270 small records, fewer than most maxsizes.
 _SNDBUF_MAX = 4 << 20
+_EPOLLEXCLUSIVE = getattr(select, "EPOLLEXCLUSIVE", 1 << 28)
 _sentinel = object()
 _hooks = _testhooks.armed
 
@@ -211,6 +212,7 @@ class Queue:
         self._closed = False
         self._close: Any = None
         self._poll = self._reader.poll
+        self._epoll: select.epoll | None = None  # get(timeout=...)'s waits: _wait_readable
 
     def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
         """Put ``obj`` on the queue; arrays travel as shared-memory handles."""
@@ -357,10 +359,20 @@ class Queue:
                 if not block:
                     raise Empty
                 left = deadline - time.monotonic()
-                if left <= 0 or not self._poll(left):
+                if left <= 0 or not self._wait_readable(left):
                     raise Empty
         assert record is not None
         return self._load(record)
+
+    def _wait_readable(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a record, as one of the waiters the kernel wakes
+        one at a time (``EPOLLEXCLUSIVE``): with several consumers in ``get(timeout=...)``, a
+        plain ``poll()`` woke them all for every record, and all but one found nothing."""
+        ep = self._epoll
+        if ep is None:  # one per process (_reset forgets it in a fork child)
+            ep = self._epoll = select.epoll()
+            ep.register(self._reader.fileno(), select.EPOLLIN | _EPOLLEXCLUSIVE)
+        return bool(ep.poll(max(timeout, 0.001), 1))
 
     def qsize(self) -> int:
         """Items put and not yet got: exact for a bounded queue (it counts the live slots),
