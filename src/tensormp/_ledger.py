@@ -226,6 +226,7 @@ class Ledger:
         self._ci = -1  # index of our "put" counter (2 * pid), once known
         self._wlock = threading.Lock()  # the threads of this process, around W
         self._reclaim_due = False
+        self._rcvtimeo = 0  # the bell's SO_RCVTIMEO as this process last set it (ms)
         self.tasks: collections.deque[Token] = collections.deque()
 
     def __getstate__(self) -> tuple[Any, ...]:
@@ -419,7 +420,9 @@ class Ledger:
                 pass  # another sleeper took that ring
             return True
         ms = max(1, int(timeout * 1000))
-        sock.setsockopt(_SOL_SOCKET, _SO_RCVTIMEO, _TIMEVAL.pack(ms // 1000, ms % 1000 * 1000))
+        if ms != self._rcvtimeo:  # the socket's, shared by all sleepers: any back-off will do
+            self._rcvtimeo = ms
+            sock.setsockopt(_SOL_SOCKET, _SO_RCVTIMEO, _TIMEVAL.pack(ms // 1000, ms % 1000 * 1000))
         try:
             sock.recv(8)
         except (BlockingIOError, TimeoutError):
