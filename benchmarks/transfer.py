@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Transfer benchmark: tensormp against stdlib ``multiprocessing`` and ``torch.multiprocessing``.
 
-Run ``python benchmarks/transfer.py`` (1.5 to 3 minutes on 2 cores), ``--quick`` (about 30 s),
-``--only big,pingpong`` to pick workloads (``big``, ``pingpong``, ``small``, ``medium``),
+Run ``python benchmarks/transfer.py`` (1.5 to 3 minutes on 2 cores, plus about 5 for ``bounded``
+and ``fifo``), ``--quick`` (about 30 s, 2 minutes with those), ``--only big,pingpong`` to pick
+workloads (``big``, ``pingpong``, ``small``, ``medium``, ``bounded``, ``fifo``),
 ``--no-torch`` to leave torch out, ``--strategy file_system`` for tensormp's named
 segments, ``-v`` to see how long each pair of workers ran. Every
 number is a median over repetitions measured in this run, warm-up excluded; every ratio compares
@@ -67,6 +68,18 @@ Workloads
     fd shows as the failure users meet; a failure is caught and reported, never a crash.
     torch runs fewer items (it is an order of magnitude slower per item): the output says how
     many. Targets: tensormp per item <= stdlib per item; fds flat (growth <= 1 per 100 items).
+``bounded``: N producers -> M consumers through one ``Queue(maxsize=4096)`` (and unbounded).
+    1, 2 and 4 producers to 1 consumer, 1 producer to 4 consumers; 64-byte ``bytes`` and fresh
+    4 KiB float32 arrays; each item names its producer and number and the consumer checks it
+    (whole, in its producer's order). All processes (spawn) start, pass a tenth more items as
+    a warm-up, then begin together; per item = wall time from the start signal to the last
+    consumer's last item / items. Methods in turns, 3 repetitions (1 with ``--quick``),
+    medians. faster-fifo 1.5.2 (``pip install 'tensormp[bench]'``) runs as a third column
+    when installed. Target: tensormp <= the stdlib's bounded queue per item, every pattern.
+``fifo``: the same harness, 1 producer -> 1 consumer, tensormp's ``Queue`` against faster-fifo
+    (a C++ ring buffer in shared memory under a process-shared mutex), put/get one at a time
+    and, where tensormp has them, ``put_many``/``get_many`` in batches of 100. Target:
+    tensormp <= faster-fifo per item.
 """
 
 from __future__ import annotations
@@ -95,7 +108,7 @@ KiB = 1 << 10
 MiB = 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")
 METHODS = ("tensormp", "stdlib", "torch")
-WORKLOADS = ("big", "pingpong", "small", "medium")
+WORKLOADS = ("big", "pingpong", "small", "medium", "bounded", "fifo")
 GET_TIMEOUT = 30.0  # seconds a consumer waits for one item before giving up
 
 
@@ -434,6 +447,96 @@ def _drain(q: Any, quiet_s: float = 0.5, limit_s: float = 10.0) -> bool:
 
 
 # =============================================================================================
+# Workloads "bounded" and "fifo": many small items, several producers or consumers
+# =============================================================================================
+def _cpu_s() -> float:
+    """CPU seconds (user + system) this process has used."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _flow_queue(method: str, maxsize: int) -> Any:
+    """A queue of ``method`` holding at most ``maxsize`` items (0: unbounded)."""
+    if method == "faster-fifo":
+        import faster_fifo
+
+        return faster_fifo.Queue(max_size_bytes=64 * MiB, maxsize=maxsize or 10**9)
+    return _context(method).Queue(maxsize)
+
+
+def _flow_item(payload: str, tag: int, i: int) -> Any:
+    """Item ``i`` of producer ``tag``: 64 B of bytes, or a fresh 4 KiB float32 array."""
+    if payload == "64 B":
+        return bytes([tag]) + i.to_bytes(8, "little") + b"x" * 55
+    a = np.full(KiB, i, dtype=np.float32)
+    a[0] = tag
+    return a
+
+
+def _flow_check(payload: str, item: Any, last: dict[int, int]) -> None:
+    """Check one item: whole, and after the previous one of its producer."""
+    if payload == "64 B":
+        tag, i = item[0], int.from_bytes(item[1:9], "little")
+        ok = len(item) == 64
+    else:
+        tag, i = int(item[0]), int(item[1])
+        ok = item.shape == (KiB,) and item[-1] == i
+    if not ok or i <= last.get(tag, -1):
+        raise AssertionError(f"item {i} of producer {tag} is corrupt or out of order")
+    last[tag] = i
+
+
+def _flow_producer(method: str, payload: str, n: int, warm: int, batch: int, tag: int, q: Any,
+                   ready: Any, go: Any, result: Any) -> None:
+    def body() -> dict[str, Any]:
+        _setup_worker(method)
+        timeout = {"timeout": GET_TIMEOUT} if method == "faster-fifo" else {}
+        for i in range(warm):  # warm-up (caches, allocator), taken before the start signal
+            q.put(_flow_item(payload, tag, i), **timeout)
+        ready.release()
+        go.wait()
+        cpu = _cpu_s()
+        if batch > 1:
+            for first in range(warm, warm + n, batch):
+                q.put_many([_flow_item(payload, tag, i)
+                            for i in range(first, min(warm + n, first + batch))], **timeout)
+        else:
+            for i in range(warm, warm + n):
+                q.put(_flow_item(payload, tag, i), **timeout)
+        if method != "faster-fifo":
+            q.close()
+            q.join_thread()
+        return {"cpu": _cpu_s() - cpu}
+
+    _guard(body, result)
+
+
+def _flow_consumer(method: str, payload: str, n: int, warm: int, batch: int, q: Any, ready: Any,
+                   go: Any, result: Any) -> None:
+    def body() -> dict[str, Any]:
+        _setup_worker(method)
+        last: dict[int, int] = {}
+        for _ in range(warm):  # this consumer's share of the warm-up items
+            _flow_check(payload, q.get(timeout=GET_TIMEOUT), last)
+        ready.release()
+        go.wait()
+        cpu = _cpu_s()
+        got = 0
+        if batch > 1:
+            while got < n:
+                for item in q.get_many(timeout=GET_TIMEOUT, max_messages_to_get=min(batch, n - got)):
+                    _flow_check(payload, item, last)
+                    got += 1
+        else:
+            while got < n:
+                _flow_check(payload, q.get(timeout=GET_TIMEOUT), last)
+                got += 1
+        return {"end": time.perf_counter(), "cpu": _cpu_s() - cpu}
+
+    _guard(body, result)
+
+
+# =============================================================================================
 # The parent: start workers, collect results, clean up
 # =============================================================================================
 @dataclass
@@ -492,6 +595,67 @@ def _run_trial(method: str, specs: list[tuple[Callable[..., None], tuple[Any, ..
     return Trial(results, cleanup)
 
 
+def _run_flow(method: str, producers: int, consumers: int, maxsize: int, payload: str, n: int,
+              batch: int, timeout: float) -> tuple[float | None, float, list[str], str | None]:
+    """``producers`` -> ``consumers`` processes (spawn) through one queue of ``method``; every
+    worker starts and passes a tenth of ``n`` items more as a warm-up, then all begin at once.
+    Returns (seconds from the start signal to the last consumer's last item, CPU seconds of all
+    workers meanwhile, clean-up notes, error)."""
+    std = multiprocessing.get_context("spawn")
+    ready, go = std.Semaphore(0), std.Event()
+    q = _flow_queue(method, maxsize)
+    per_producer, warm = n // producers, max(1, n // 10 // producers)
+    total = per_producer * producers
+
+    def split(count: int) -> list[int]:
+        return [count // consumers + (k < count % consumers) for k in range(consumers)]
+    ctx = std if method == "faster-fifo" else _context(method)
+    procs, readers = [], []
+    specs = [(_flow_producer, (method, payload, per_producer, warm, batch, tag, q))
+             for tag in range(producers)]
+    specs += [(_flow_consumer, (method, payload, share, w, batch, q))
+              for share, w in zip(split(total), split(warm * producers))]
+    for target, args in specs:
+        reader, writer = std.Pipe(duplex=False)
+        proc = ctx.Process(target=target, args=(*args, ready, go, writer), daemon=True)
+        proc.start()
+        writer.close()
+        procs.append(proc)
+        readers.append(reader)
+    deadline = time.monotonic() + timeout
+    error = None
+    for _ in procs:
+        if not ready.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            error = "the workers did not start in time"
+            break
+    start = time.perf_counter()
+    go.set()
+    results: list[dict[str, Any]] = []
+    for proc, reader in zip(procs, readers):
+        try:
+            if reader.poll(max(0.0, deadline - time.monotonic())):
+                results.append(reader.recv())
+            else:
+                results.append({"error": f"{proc.name}: no result within {timeout:.0f} s"})
+        except (EOFError, OSError):
+            results.append({"error": f"{proc.name}: exited ({proc.exitcode}) without a result"})
+        reader.close()
+    cleanup = []
+    for proc in procs:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+            cleanup.append(f"{method} pid {proc.pid} had to be killed")
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        error = "; ".join(errors)
+    ends = [r["end"] for r in results if "end" in r]
+    if error or len(ends) != consumers:
+        return None, 0.0, cleanup, error or "missing results"
+    return max(ends) - start, sum(r.get("cpu", 0.0) for r in results), cleanup, None
+
+
 def _fmt_t(s: float | None) -> str:
     if s is None:
         return "-"
@@ -514,7 +678,7 @@ class Row:
     cells: dict[str, str]  # method -> text
     ratio: float | None
     target: str
-    limit: float  # PASS when ratio <= limit
+    limit: float | None  # PASS when ratio <= limit; None: a reference row, no target
     failed: bool = False  # tensormp itself failed this workload
 
     @property
@@ -523,6 +687,8 @@ class Row:
             return "FAIL"
         if self.ratio is None:
             return "n/a"
+        if self.limit is None:
+            return "info"
         return "PASS" if self.ratio <= self.limit else "MISS"
 
 
@@ -746,19 +912,91 @@ class Bench:
                              worst / g[2] if g and g[2] else None, "<= 0.01 per item", 0.01,
                              failed="tensormp" in failed["keep"]))
 
+    # -- bounded / fifo ------------------------------------------------------------------------
+    def have_fifo(self) -> bool:
+        return importlib.util.find_spec("faster_fifo") is not None
+
+    def _flows(self, title: str, cases: list[tuple[str, int, int, int, str, int]],
+               methods: list[str], reference: str, targets: dict[str, float | None]) -> None:
+        """Run each case (label, producers, consumers, maxsize, payload, batch) for every method,
+        alternating the methods' order repetition by repetition; one row per case."""
+        reps = 1 if self.quick else 3
+        print(f"\n== {title}: items/s (CPU of all workers per item), median of {reps} "
+              "alternating repetition(s); fresh spawn processes each time, every item checked ==",
+              flush=True)
+        for label, producers, consumers, maxsize, payload, batch in cases:
+            n = (5_000 if self.quick else 20_000) if payload == "64 B" else (
+                3_000 if self.quick else 10_000)
+            times: dict[str, list[float]] = {m: [] for m in methods}
+            cpus: dict[str, list[float]] = {m: [] for m in methods}
+            failed = set()
+            for rep in range(reps):
+                order = methods[rep % len(methods):] + methods[:rep % len(methods)]
+                for m in order:
+                    took, cpu, cleanup, error = _run_flow(m, producers, consumers, maxsize,
+                                                          payload, n, batch, timeout=120)
+                    self.cleanup += cleanup
+                    if error:
+                        print(f"  {label} {m} FAILED: {error}", flush=True)
+                        failed.add(m)
+                    elif took:
+                        times[m].append(took / (n // producers * producers))
+                        cpus[m].append(cpu / (n // producers * producers))
+            per = {m: _median(times[m]) for m in methods}
+            cpu_per = {m: _median(cpus[m]) for m in methods}
+            text = "  ".join(f"{m} {1 / per[m]:>8,.0f}/s ({cpu_per[m] * 1e6:.1f} us CPU)"
+                             if per[m] and cpu_per[m] else f"{m} -" for m in methods)
+            print(f"  {label:38s} {text}", flush=True)
+            tm, ref = per.get("tensormp"), per.get(reference)
+            target = targets.get(label.split(",")[0])
+            cells = {m: ("FAILED" if m in failed else _fmt_t(per[m])) for m in methods}
+            self.rows.append(Row(label, cells, tm / ref if tm and ref else None,
+                                 f"<= 1x {reference}" if target else "(reference)", target,
+                                 "tensormp" in failed))
+
+    def bounded(self) -> None:
+        methods = ["tensormp", "stdlib"] + (["faster-fifo"] if self.have_fifo() else [])
+        cases = []
+        for payload in ("64 B", "4 KiB"):
+            for p, c, maxsize in ((1, 1, 4096), (2, 1, 4096), (4, 1, 4096), (1, 4, 4096),
+                                  (1, 1, 0), (4, 1, 0)):
+                kind = f"maxsize {maxsize}" if maxsize else "unbounded"
+                cases.append((f"{p}p->{c}c {kind}, {payload}", p, c, maxsize, payload, 1))
+        self._flows("producers -> consumers through one Queue (per item: wall time / items)",
+                    cases, methods, "stdlib",
+                    {f"{p}p->{c}c maxsize 4096": 1.0 for p, c in ((1, 1), (2, 1), (4, 1), (1, 4))})
+
+    def fifo(self) -> None:
+        if not self.have_fifo():
+            print("\n== faster-fifo: not installed (pip install 'tensormp[bench]'): skipped ==")
+            return
+        from tensormp import queues
+
+        batch_api = hasattr(queues.Queue, "put_many")
+        cases = []
+        for payload in ("64 B", "4 KiB"):
+            cases.append((f"1p->1c put/get, {payload}", 1, 1, 0, payload, 1))
+            if batch_api:
+                cases.append((f"1p->1c put_many/get_many, {payload}", 1, 1, 0, payload, 100))
+        self._flows("small messages against faster-fifo 1.5.2 (unbounded; batches of 100)",
+                    cases, ["tensormp", "faster-fifo"], "faster-fifo",
+                    {"1p->1c put/get": 1.0, "1p->1c put_many/get_many": 1.0})
+        if not batch_api:
+            print("  (tensormp has no put_many/get_many: batch rows skipped)")
+
     # -- summary -------------------------------------------------------------------------------
     def summary(self) -> None:
         print("\n== summary (ratio = tensormp against the target's reference, same run) ==")
-        head = f"{'workload':34s} {'tensormp':>10s} {'stdlib':>10s} {'torch':>10s} " \
-               f"{'ratio':>7s}  {'target':18s} result"
+        head = f"{'workload':38s} {'tensormp':>10s} {'stdlib':>10s} {'torch':>10s} " \
+               f"{'faster-fifo':>11s} {'ratio':>7s}  {'target':18s} result"
         print(head)
         print("-" * len(head))
         for r in self.rows:
             ratio = "-" if r.ratio is None else (
                 f"{r.ratio:.4f}" if r.ratio < 0.1 else f"{r.ratio:.2f}x")
-            print(f"{r.workload:34s} {r.cells.get('tensormp', '-'):>10s} "
+            print(f"{r.workload:38s} {r.cells.get('tensormp', '-'):>10s} "
                   f"{r.cells.get('stdlib', '-'):>10s} {r.cells.get('torch', '-'):>10s} "
-                  f"{ratio:>7s}  {r.target:18s} {r.verdict}"
+                  f"{r.cells.get('faster-fifo', '-'):>11s} {ratio:>7s}  {r.target:18s} {r.verdict}"
                   + (f"   ({r.cells['ref']})" if "ref" in r.cells else ""))
         print("\ncells: medians per step / round trip / item; ping-pong stdlib column: an "
               "ordinary array pickled by value;\nfd rows: open-fd growth of consumer/producer "
@@ -848,6 +1086,10 @@ def main(argv: list[str] | None = None) -> int:
         elif w == "medium":
             n = 800 if args.quick else 2_000
             bench.stream(64 * KiB, n, 2 if args.quick else 5, 400 if args.quick else n)
+        elif w == "bounded":
+            bench.bounded()
+        elif w == "fifo":
+            bench.fifo()
     bench.summary()
 
     left = _leftover_children()

@@ -2,61 +2,62 @@
 
 Protocol
 --------
-A bounded queue's free slots and a ``JoinableQueue``'s unfinished tasks are counts that the
-stdlib keeps in POSIX semaphores: a process killed between ``acquire`` and ``release`` takes
-its unit with it, for good. Here each unit is a *token* whose owner the kernel tracks:
+The stdlib keeps a bounded queue's free slots and a ``JoinableQueue``'s unfinished tasks in
+POSIX semaphores: a process killed between ``acquire`` and ``release`` takes its unit with it,
+for good. Here nothing a process holds outlives it.
 
-* A token is an open file description (OFD) of the queue's *ledger file* (a memfd) holding an
-  OFD byte lock (``F_OFD_SETLK``): slot ``i`` is the lock on byte ``SLOT_BASE + i``, a task is
-  a lock on a random byte of ``[TASK_BASE, TASK_BASE + TASK_SPAN)``. An OFD lock belongs to the
-  open file description, not to a process, and the kernel drops it when the last fd of that
-  description is closed: by ``close()``, or by the death of the last process holding one.
-* ``put()`` opens a fresh OFD (``open("/proc/self/fd/N")``), locks a free slot byte (and a
-  task byte), and sends the OFD's fd *inside the message's record* (``SCM_RIGHTS``, see
-  ``connection.py``), then closes its own fd: from then on the kernel holds the token in
-  flight, with the message, atomically. ``get()`` receives the token with the message and
-  closes it (slot given back) or keeps it until ``task_done()`` (task token).
-* So at every instant a token is held by exactly one of: the producer (taken, not yet sent),
-  the socket (in flight), a consumer (received, not yet given back). Each of those owners
-  releases it by dying: a producer killed before its ``sendmsg`` frees its slot and its task
-  (the put never happened), a record that is never read frees both with the socket, a
-  consumer killed after its ``recvmsg`` frees both (the item counts as done: see below).
-  Nothing needs a liveness check or a lock that a dead process could hold.
+**Slots (bounded queues).** The items of a bounded queue are: records in the socket, messages a
+producer accepted but left to its feeder thread (*reserved*), and the record a producer is
+writing. The kernel counts the first kind: the consumers' ``recvmsg`` is the only count of a
+get (a consumer keeps no slot, so its death costs none, and ``get()`` adds no syscall). A
+producer takes the *write lock* ``W`` (an OFD lock, ``F_OFD_SETLKW``, on a byte of the ledger
+file, held by the process's own open file description, so the kernel drops it when the process
+dies) around: the room check, the record's write, and the book-keeping below, all in the
+ledger file (a memfd every process maps):
 
-Who counts: nobody. ``qsize()`` of a bounded queue *counts the locks* in the slot range
-(``F_OFD_GETLK``, one call per lock found plus one per gap); ``full()`` compares that with
-``maxsize``; ``JoinableQueue.join()`` waits with ``F_OFD_SETLKW`` for a read lock on the whole
-task range, which the kernel grants once no task token is left (then releases it at once).
+* ``S`` records written so far; each record's header carries its number ``S + 1`` (mod 2**32)
+  and ``cum[k]`` (a ring of ``maxsize + 2`` words) the bytes of records ``1..k``;
+* ``D`` a lower bound of the records read; the room check ``S - D + RES < maxsize`` is exact
+  after one ``MSG_PEEK`` of the head record (``D`` = its number - 1, or ``S`` when empty);
+* ``RES`` the reserved messages, and per process (16 bytes at ``16 * pid``) its own share, so
+  that a dead producer's reservations can be subtracted (its *row lock*, an OFD lock on
+  ``ROW_BASE + pid`` held for life, is gone): done after a blocked ``put()`` waited in vain
+  and by ``qsize()``.
 
-Waiting for a slot: a blocked ``put()`` sleeps in ``poll()`` on the *bell*, a datagram socket
-pair: a consumer that gives a slot back rings it with the slot's index; the producer retries
-that slot first, then scans from where it last found one. A consumer killed before it could
-ring frees its slot all the same: the producer rescans after a back-off of 20 ms doubling to
-250 ms, so a death delays a blocked ``put()`` by at most that much. Rings nobody waits for
-pile up to the socket's capacity and are then dropped: a ring is a hint, never a count.
+A producer killed while holding ``W`` leaves an *intent* (the record's number and length,
+written before its ``sendmsg``): the next holder of ``W`` finds out whether that record was
+sent from ``FIONREAD`` (the bytes of all records in the socket, read between two peeks at the
+same head) against ``cum``, and counts it or not. So ``qsize()`` is exact, and a slot of a
+process that died is free at once (its reservations: within a blocked ``put()``'s back-off).
 
-``qsize()`` of an unbounded queue has no tokens (they cost about 5 us a message): the ledger
-file, mapped by every process that counts, holds a pair of counters per pid (16 bytes at
-``16 * pid``; the file is sparse, a process touches one page). Only the live process with that
-pid writes its pair, adding one to *put* or *got* per message; a process that later gets a
-dead one's pid adds to its counts, which stay right. ``qsize()`` is the sum of puts minus the
-sum of gets over the pages in use (``SEEK_DATA``). It is approximate, as the stdlib documents:
-a process killed between a write and its count, or between a read and its count, leaves it
-off by one for good.
+Waiting for a slot: a producer that finds no room adds itself to ``WAITERS`` (and its row)
+*before* it peeks, then sleeps on the *bell*, a datagram socket pair; a consumer that read a
+record rings it (one datagram wakes one sleeper) when ``WAITERS`` is not 0. The peek and the
+consumer's ``recvmsg`` take the same socket lock in the kernel, so either the peek sees the
+read or the consumer sees the waiter: no wake-up is lost. A producer wakes after 20 ms doubling
+to 250 ms without a ring all the same, to notice the dead.
 
-Fork: a child inherits every fd, hence every token and claim, of its parent; it must not keep
-them (a task token held by a forked child would make ``join()`` wait for the child). An
-``os.register_at_fork`` hook closes, in the child, every token fd and claim this process
-holds; the parent's copies are untouched.
+**Tasks (JoinableQueue).** A token is an open file description (OFD) of the ledger file holding
+an OFD byte lock on a random byte of ``[TASK_BASE, TASK_BASE + TASK_SPAN)``; the kernel drops
+it when the last fd of the description is closed, by ``close()`` or by the death of the last
+process holding one. ``put()`` opens a fresh OFD, locks, and sends its fd *inside the
+message's record* (``SCM_RIGHTS``), then closes its own fd: the kernel holds the token in
+flight, with the message. ``get()`` keeps it until ``task_done()``. A producer killed before
+its ``sendmsg`` frees its task, a consumer killed after its ``recvmsg`` too (the item counts as
+done). ``join()`` waits with ``F_OFD_SETLKW`` for a read lock on the whole task range.
 
-``JoinableQueue``: an item whose taker died before ``task_done()`` *counts as done* (its token
-died with it): ``join()`` never waits for the dead. ``task_done()`` closes a token this process
-received, so it must be called by a process that got an item (the stdlib lets any process call
-it).
+**Size of an unbounded queue.** No tokens, no lock: a pair of counters per pid (16 bytes at
+``16 * pid``; the file is sparse) that only that process writes, one per message put or got;
+``qsize()`` is the sum of puts minus gets over the pages in use (``SEEK_DATA``). Approximate,
+as the stdlib documents: a process killed between a write and its count leaves it off by one.
+
+Fork: a child inherits every fd of its parent, hence its task tokens and its OFD of ``W`` and
+its row: an ``os.register_at_fork`` hook closes them in the child (the parent's locks stay).
 """
 
 from __future__ import annotations
 
+import array
 import collections
 import errno
 import fcntl
@@ -66,10 +67,14 @@ import random
 import select
 import socket
 import struct
+import termios
+import threading
 import time
 import weakref
 from multiprocessing import reduction as _mpr
 from typing import Any
+
+from .connection import HEADER, INLINE_MAX
 
 __all__ = ["Token", "Ledger"]
 
@@ -80,16 +85,30 @@ _F_OFD_SETLKW = getattr(fcntl, "F_OFD_SETLKW", 38)
 _WR = fcntl.F_WRLCK
 _RD = fcntl.F_RDLCK
 _UN = fcntl.F_UNLCK
+_W_LOCK = _FLOCK.pack(_WR, 0, 1 << 32, 1, 0)
+_W_UNLOCK = _FLOCK.pack(_UN, 0, 1 << 32, 1, 0)
 
-SLOT_BASE = 1 << 32
+W_BYTE = 1 << 32  # the write lock of a bounded queue
+ROW_BASE = W_BYTE + 1  # + pid: a producer's row lock, held for its life
 TASK_BASE = 1 << 40
 TASK_SPAN = 1 << 40
 NO_SLOT = 0xFFFFFFFF
-_BELL = struct.Struct("I")
+_M32 = 0xFFFFFFFF
+_BELL = b"r"
 _BACKOFF_FIRST = 0.02
 _BACKOFF_MAX = 0.25
 _MSG_DONTWAIT = int(socket.MSG_DONTWAIT)
+_MSG_PEEK = int(socket.MSG_PEEK)
+_PEEK = _MSG_PEEK | _MSG_DONTWAIT
+_SOL_SOCKET = int(socket.SOL_SOCKET)
+_SO_RCVTIMEO = int(socket.SO_RCVTIMEO)
+_TIMEVAL = struct.Struct("ll")
 _NO_VIEW = memoryview(b"").cast("Q")
+# Words of the bounded queue's header (after the per-pid rows), then the ring of cum[].
+_S, _P_LEN, _P_SEQ, _RES, _WAITERS, _D = range(6)
+_LOG = 8
+_SEQ_AT = 16  # offset of the record number ("slot") in a record header
+_RING_MAX = (1 << 16) + 2
 
 
 def _lock(fd: int, cmd: int, kind: int, start: int, length: int = 1) -> bool:
@@ -110,17 +129,34 @@ def _held(fd: int, start: int, length: int) -> tuple[int, int] | None:
     return None if kind == _UN else (s, n)
 
 
+def _head(sock: socket.socket) -> int | None:
+    """The record number in the header of the first record in ``sock``, or None if empty."""
+    try:
+        data = sock.recv(HEADER.size, _PEEK)
+    except BlockingIOError:
+        return None
+    if len(data) < HEADER.size:
+        return None
+    return int.from_bytes(data[_SEQ_AT : _SEQ_AT + 4], "little")
+
+
+def _inq(sock: socket.socket) -> int:
+    """Bytes of all records in ``sock`` (``FIONREAD`` of a ``SOCK_SEQPACKET`` socket)."""
+    buf = array.array("i", [0])
+    fcntl.ioctl(sock.fileno(), termios.FIONREAD, buf)
+    return buf[0]
+
+
 class Token:
     """One unit of a count: an fd of an OFD holding one byte lock (see the module notes).
 
     Closing it gives the unit back. In a fork child, every token of the parent is closed.
     """
 
-    __slots__ = ("fd", "index")
+    __slots__ = ("fd",)
 
-    def __init__(self, fd: int, index: int = NO_SLOT) -> None:
+    def __init__(self, fd: int) -> None:
         self.fd = fd
-        self.index = index  # the slot number, or NO_SLOT for a task token
         _open[fd] = self
 
     def close(self, _close: Any = os.close) -> None:
@@ -135,7 +171,7 @@ class Token:
             self.close()
 
     def __repr__(self) -> str:
-        return f"<Token fd={self.fd} slot={self.index if self.index != NO_SLOT else '-'}>"
+        return f"<Token fd={self.fd}>"
 
 
 _open: dict[int, Token] = {}  # this process's open tokens, by fd
@@ -146,7 +182,7 @@ class Ledger:
     """The death-proof counts of one queue (see the module notes).
 
     Args:
-        maxsize: slots (0: unbounded, no slot tokens).
+        maxsize: slots (0: unbounded).
         joinable: whether items carry task tokens.
     """
 
@@ -155,7 +191,7 @@ class Ledger:
         self.joinable = joinable
         fd = os.memfd_create("tensormp-queue", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(fd, _file_size())
+            os.ftruncate(fd, _file_size(maxsize))
             bell = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM) if maxsize else None
         except BaseException:
             os.close(fd)
@@ -166,19 +202,31 @@ class Ledger:
         self._fd = fd
         self._bell = bell
         if bell is not None:
-            bell[0].setblocking(False)
+            bell[0].setblocking(True)  # a sleeper waits in recv: one ring wakes one sleeper
             bell[1].setblocking(False)
+        self._ring = min(self.maxsize, _RING_MAX - 2) + 2
+        # The rows end where the file's tail (a bounded queue's header and log) begins: from
+        # the file's own size, so every process agrees whatever pid_max says meanwhile.
+        size = os.fstat(fd).st_size
+        self._rows = size - (8 * (_LOG + self._ring) if self.maxsize else 0)
+        self._hdr = self._rows // 8  # word index of the bounded queue's header
         self._counts: _Counters | None = None
-        self._view = _NO_VIEW  # _counts.array once this process counts (_ci >= 0)
+        self._view = _NO_VIEW  # _counts.array once this process maps it
+        self._mine = -1
         self._new_process()
         _ledgers.add(self)
 
     def _new_process(self) -> None:
         """Forget per-process state (at start, and in a fork child)."""
+        if self._mine >= 0:
+            os.close(self._mine)  # the parent's OFD: its locks stay the parent's
+        self._mine = -1  # our own OFD: row lock for life, W while writing
+        self._row = os.getpid()  # our row (our pid's, unless another live process holds it)
         self._path = f"/proc/self/fd/{self._fd}"
         self._ci = -1  # index of our "put" counter (2 * pid), once known
-        self._next = random.randrange(self.maxsize) if self.maxsize else 0
-        self._hints: list[int] = []
+        self._wlock = threading.Lock()  # the threads of this process, around W
+        self._reclaim_due = False
+        self._rcvtimeo = 0  # the bell's SO_RCVTIMEO as this process last set it (ms)
         self.tasks: collections.deque[Token] = collections.deque()
 
     def __getstate__(self) -> tuple[Any, ...]:
@@ -191,11 +239,13 @@ class Ledger:
         bell = None
         if len(fds) == 3:
             bell = (socket.socket(fileno=fds[1]), socket.socket(fileno=fds[2]))
+        self._mine = -1
         self._setup(fds[0], bell)
 
     def close(self, _close: Any = os.close) -> None:
         """Close this process's fds of the ledger (tokens already taken stay valid)."""
         fd, self._fd = self._fd, -1
+        mine, self._mine = self._mine, -1
         for t in self.tasks:
             t.close()
         self.tasks.clear()
@@ -206,6 +256,8 @@ class Ledger:
         if self._bell is not None:
             for s in self._bell:
                 s.close()
+        if mine >= 0:
+            _close(mine)
         if fd >= 0:
             _close(fd)
 
@@ -217,98 +269,264 @@ class Ledger:
         """A new open file description of the ledger file (a token to be)."""
         return os.open(self._path, os.O_RDWR | os.O_CLOEXEC)
 
-    # -- slots ----------------------------------------------------------------------------------
-    def take_slot(self, block: bool, timeout: float | None) -> Token | None:
-        """A slot token, waiting up to ``timeout`` seconds (None: forever) if ``block``;
-        None when no slot became free in time."""
-        ofd = self._reopen()
-        try:
-            deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
-            backoff = _BACKOFF_FIRST
-            while True:
-                index = self._try_slots(ofd)
-                if index >= 0:
-                    return Token(ofd, index)
-                if not block:
-                    break
-                wait = backoff
+    def _map(self) -> memoryview:
+        if self._counts is None:
+            self._counts = _Counters(self._fd)
+        self._view = self._counts.array
+        return self._view
+
+    # -- slots of a bounded queue: W, room, writes ------------------------------------------------
+    def enter(self, sock: socket.socket, block: bool, timeout: float | None) -> bool:
+        """Take ``W`` and a free slot, waiting up to ``timeout`` seconds (None: forever) if
+        ``block``. True: the caller holds ``W`` and must :meth:`write` or :meth:`reserve`
+        one message, then :meth:`leave`. False: no slot became free in time (nothing held).
+
+        ``sock`` is the queue's reading end (peeked at, never read)."""
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        backoff = _BACKOFF_FIRST
+        hdr, maxsize = self._hdr, self.maxsize
+        waiting = False  # this call is counted in WAITERS
+        while True:
+            self._take_w(sock)
+            try:
+                view = self._view
+                if self._reclaim_due:
+                    self._reclaim()
+                if not waiting and view[hdr + _S] - view[hdr + _D] + view[hdr + _RES] < maxsize:
+                    return True
+                if not waiting:  # first count us, then look (see the module notes)
+                    waiting = True
+                    self._wait_count(1)
+                self._refresh(sock)
+                if view[hdr + _S] - view[hdr + _D] + view[hdr + _RES] < maxsize:
+                    waiting = False
+                    self._wait_count(-1)
+                    return True
+                wait = backoff if block else 0.0
                 if deadline is not None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    wait = min(wait, left)
-                if not self._wait_bell(wait):
-                    backoff = min(backoff * 2, _BACKOFF_MAX)
+                    wait = min(wait, deadline - time.monotonic())
+                if wait <= 0:
+                    waiting = False
+                    self._wait_count(-1)
+            except BaseException:
+                if waiting:
+                    self._wait_count(-1)
+                self._leave_w()
+                raise
+            self._leave_w()
+            if not waiting:
+                return False
+            try:
+                rung = self._sleep(wait, deadline is not None)
+            except BaseException:
+                self._take_w(sock)
+                try:
+                    self._wait_count(-1)
+                finally:
+                    self._leave_w()
+                raise
+            if not rung:
+                backoff = min(backoff * 2, _BACKOFF_MAX)
+                self._reclaim_due = True  # a dead producer may hold reservations
+
+    def enter_reserved(self, sock: socket.socket) -> None:
+        """Take ``W`` to write a message whose slot is already reserved (the feeder)."""
+        self._take_w(sock)
+
+    def leave(self) -> None:
+        self._leave_w()
+
+    def _take_w(self, sock: socket.socket) -> None:
+        self._wlock.acquire()
+        try:
+            view = self._view if self._counts is not None else self._map()
+            mine = self._mine
+            if mine < 0:
+                mine = self._claim_row()
+            fcntl.fcntl(mine, _F_OFD_SETLKW, _W_LOCK)
         except BaseException:
-            os.close(ofd)
+            self._wlock.release()
             raise
-        os.close(ofd)
-        return None
+        if view[self._hdr + _P_LEN]:
+            try:
+                self._resolve(sock)
+            except BaseException:
+                self._leave_w()
+                raise
 
-    def _try_slots(self, ofd: int) -> int:
-        maxsize = self.maxsize
-        hints, self._hints = self._hints, []
-        for i in hints:
-            if i < maxsize and _lock(ofd, _F_OFD_SETLK, _WR, SLOT_BASE + i):
-                self._next = (i + 1) % maxsize
-                return i
-        start = self._next
-        for k in range(maxsize):
-            i = (start + k) % maxsize
-            if _lock(ofd, _F_OFD_SETLK, _WR, SLOT_BASE + i):
-                self._next = (i + 1) % maxsize
-                return i
-        return -1
+    def _leave_w(self) -> None:
+        try:
+            fcntl.fcntl(self._mine, _F_OFD_SETLK, _W_UNLOCK)
+        finally:
+            self._wlock.release()
 
-    def _wait_bell(self, timeout: float) -> bool:
-        """Sleep until a ring or ``timeout``; keep the rung slot numbers as hints."""
+    def _claim_row(self) -> int:
+        """Open our OFD and lock our row (once per process), before taking W."""
+        mine = self._reopen()
+        try:
+            rows = self._rows // 16
+            # Our pid's row; taken only if a process of another pid namespace has our pid.
+            for row in (self._row, *range(rows - 1, 0, -1)):
+                if _lock(mine, _F_OFD_SETLK, _WR, ROW_BASE + row):
+                    break
+            else:
+                raise OSError(errno.EMFILE, f"no free row in {self!r}")
+            self._row = row
+            fcntl.fcntl(mine, _F_OFD_SETLKW, _W_LOCK)
+            try:  # what a dead process left in this row is not ours
+                self._forget_row(row)
+            finally:
+                fcntl.fcntl(mine, _F_OFD_SETLK, _W_UNLOCK)
+        except BaseException:
+            os.close(mine)
+            raise
+        self._mine = mine
+        return mine
+
+    def _forget_row(self, row: int) -> None:
+        """Subtract a dead process's reservations and waiters (holding W)."""
+        view, hdr = self._view, self._hdr
+        i = 2 * row
+        if view[i] or view[i + 1]:
+            view[hdr + _RES] -= view[i]
+            view[hdr + _WAITERS] -= view[i + 1]
+            view[i] = view[i + 1] = 0
+
+    def _wait_count(self, delta: int) -> None:
+        """Count a sleeper in or out of WAITERS and our row (holding W)."""
+        view = self._view
+        view[self._hdr + _WAITERS] += delta
+        view[2 * self._row + 1] += delta
+
+    def _refresh(self, sock: socket.socket) -> None:
+        """D from the number of the head record (holding W: no record is being written)."""
+        view, hdr = self._view, self._hdr
+        s = view[hdr + _S]
+        h = _head(sock)
+        inside = 0 if h is None else (s - h + 1) & _M32
+        if inside <= s and inside <= self.maxsize:
+            view[hdr + _D] = max(view[hdr + _D], s - inside)
+
+    def _sleep(self, timeout: float, timed: bool) -> bool:
+        """Sleep until a ring or ``timeout``; True when rung."""
         assert self._bell is not None
         sock = self._bell[0]
-        ready = select.select([sock], [], [], timeout)[0]
-        if not ready:
-            return False
-        hints = self._hints
-        for _ in range(1024):
+        if timed:  # poll has this caller's own timeout (SO_RCVTIMEO is the socket's, shared)
+            if not select.select([sock], [], [], timeout)[0]:
+                return False
             try:
-                data = sock.recv(_BELL.size, _MSG_DONTWAIT)
+                sock.recv(8, _MSG_DONTWAIT)
             except BlockingIOError:
-                break
-            if len(data) == _BELL.size:
-                hints.append(_BELL.unpack(data)[0])
+                pass  # another sleeper took that ring
+            return True
+        ms = max(1, int(timeout * 1000))
+        if ms != self._rcvtimeo:  # the socket's, shared by all sleepers: any back-off will do
+            self._rcvtimeo = ms
+            sock.setsockopt(_SOL_SOCKET, _SO_RCVTIMEO, _TIMEVAL.pack(ms // 1000, ms % 1000 * 1000))
+        try:
+            sock.recv(8)
+        except (BlockingIOError, TimeoutError):
+            return False
         return True
 
-    def give_back(self, token: Token | None, index: int) -> None:
-        """Close a slot token received with a message, and ring the bell for slot ``index``."""
-        if token is not None:
-            token.close()
-        self.ring(index)
+    def write(self, writer: Any, data: Any, fds: Any, tokens: Any, block: bool) -> bool:
+        """Write one record through ``writer`` (``Connection.write_record``) holding W, with
+        its intent and count (see the module notes). True when written."""
+        view, hdr, ring = self._view, self._hdr, self._ring
+        s = view[hdr + _S]
+        n = len(data)
+        length = HEADER.size + (n if n <= INLINE_MAX else 0)
+        view[hdr + _LOG + (s + 1) % ring] = view[hdr + _LOG + s % ring] + length
+        view[hdr + _P_SEQ] = s + 1
+        view[hdr + _P_LEN] = length
+        try:
+            sent: bool = writer.write_record(data, fds, tokens, (s + 1) & _M32, block)
+        except BaseException:
+            view[hdr + _P_LEN] = 0
+            raise
+        if sent:
+            view[hdr + _S] = s + 1
+        view[hdr + _P_LEN] = 0
+        return sent
 
-    def ring(self, index: int = NO_SLOT) -> None:
+    def reserve(self, count: int = 1) -> None:
+        """Count a message left to the feeder (holding W); ``-1`` once written or dropped."""
+        view = self._view
+        view[self._hdr + _RES] += count
+        view[2 * self._row] += count
+
+    def _resolve(self, sock: socket.socket) -> None:
+        """The previous holder of W died while writing: count its record if it was sent."""
+        view, hdr = self._view, self._hdr
+        s, length = view[hdr + _S], view[hdr + _P_LEN]
+        if view[hdr + _P_SEQ] == s + 1:  # else it was counted already
+            view[hdr + _S] = s + self._sent(sock, s, length)
+        view[hdr + _P_LEN] = 0
+
+    def _sent(self, sock: socket.socket, s: int, length: int) -> int:
+        """1 if record ``s + 1`` (``length`` bytes) is in the socket, else 0 (holding W)."""
+        view, log, ring = self._view, self._hdr + _LOG, self._ring
+        pending = (s + 1) & _M32
+        for _ in range(1000):
+            h = _head(sock)
+            inq = _inq(sock)
+            if _head(sock) != h:
+                continue  # a record was read meanwhile: look again
+            if h is None:
+                return 0  # nothing left: sent or not, it is not in the queue
+            inside = 0 if h == pending else (s - h + 1) & _M32  # written ones before it
+            if inside > s or inside > ring - 2:
+                return 1  # beyond the log: count it (at worst one slot too many)
+            before = view[log + s % ring] - view[log + (s - inside) % ring]
+            if inq == before + length:
+                return 1
+            if inq == before:
+                return 0
+        return 1
+
+    def _reclaim(self) -> None:
+        """Subtract the reservations and waiters of dead processes (holding W)."""
+        self._reclaim_due = False
+        view, fd = self._view, self._fd
+        size = self._rows
+        pos = 0
+        while pos < size:
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError:  # ENXIO: no data after pos
+                break
+            if start >= size:
+                break
+            end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+            for i in range(start // 8 & ~1, end // 8, 2):
+                if (view[i] or view[i + 1]) and i // 2 != self._row:
+                    if _held(fd, ROW_BASE + i // 2, 1) is None:
+                        self._forget_row(i // 2)
+            pos = end
+
+    def slots_taken(self, sock: socket.socket) -> int:
+        """Items now in a bounded queue: in the socket, being written, reserved."""
+        self._take_w(sock)
+        try:
+            view, hdr = self._view, self._hdr
+            if view[hdr + _RES] or view[hdr + _WAITERS]:
+                self._reclaim()
+            self._refresh(sock)
+            return max(0, view[hdr + _S] - view[hdr + _D] + view[hdr + _RES])
+        finally:
+            self._leave_w()
+
+    def waiters(self) -> int:
+        """Producers sleeping for a slot (0 when nobody needs a ring)."""
+        view = self._view if self._counts is not None else self._map()
+        return view[self._hdr + _WAITERS]
+
+    def ring(self) -> None:
         if self._bell is not None:
             try:
-                self._bell[1].send(_BELL.pack(index), _MSG_DONTWAIT)
+                self._bell[1].send(_BELL, _MSG_DONTWAIT)
             except OSError:
                 pass  # full: enough rings are waiting already
-
-    def slots_taken(self) -> int:
-        """How many slot tokens exist now (taken, in flight or held)."""
-        return self._count_locks(SLOT_BASE, SLOT_BASE + self.maxsize)
-
-    def _count_locks(self, start: int, end: int) -> int:
-        n = 0
-        ranges = [(start, end)]
-        while ranges:
-            a, b = ranges.pop()
-            if a >= b:
-                continue
-            got = _held(self._fd, a, b - a)
-            if got is None:
-                continue
-            s, length = got
-            n += 1
-            ranges.append((a, s))
-            ranges.append((s + max(length, 1), b))
-        return n
 
     # -- tasks ----------------------------------------------------------------------------------
     def take_task(self) -> Token:
@@ -338,9 +556,7 @@ class Ledger:
 
     # -- approximate size of an unbounded queue ---------------------------------------------------
     def _counter(self) -> int:
-        if self._counts is None:
-            self._counts = _Counters(self._fd)
-        self._view = self._counts.array
+        self._map()
         self._ci = 2 * os.getpid()
         return self._ci
 
@@ -357,19 +573,27 @@ class Ledger:
         """Puts minus gets of every process that ever counted (at least 0)."""
         if self._counts is None:
             self._counts = _Counters(self._fd)
-        return max(0, self._counts.balance())
+        return max(0, self._counts.balance(self._rows))
 
     def __repr__(self) -> str:
         return f"<Ledger maxsize={self.maxsize} joinable={self.joinable} fd={self._fd}>"
 
 
-def _file_size() -> int:
+def _pid_area() -> int:
+    """Bytes of the per-pid rows (16 per pid), a whole number of pages."""
     try:
         with open("/proc/sys/kernel/pid_max") as f:
             pid_max = int(f.read())
     except (OSError, ValueError):
         pid_max = 1 << 22  # the largest pid_max Linux allows
-    return 16 * max(pid_max, 1 << 15)
+    size = 16 * max(pid_max, 1 << 15)
+    return -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def _file_size(maxsize: int) -> int:
+    if not maxsize:
+        return _pid_area()
+    return _pid_area() + 8 * (_LOG + min(maxsize, _RING_MAX - 2) + 2)
 
 
 class _Counters:
@@ -396,9 +620,9 @@ class _Counters:
         self._size = size
         self.array = memoryview((ctypes.c_uint64 * (size // 8)).from_address(addr)).cast("B").cast("Q")
 
-    def balance(self) -> int:
-        """Sum of puts minus sum of gets, over the pages any process wrote."""
-        fd, size, array = self._fd, self._size, self.array
+    def balance(self, size: int) -> int:
+        """Sum of puts minus sum of gets, over the pages any process wrote in ``[0, size)``."""
+        fd, array = self._fd, self.array
         total = 0
         pos = 0
         while pos < size:

@@ -17,7 +17,8 @@ __all__ = ["POINTS", "armed", "kill_at", "reached"]
 POINTS = {
     # Queue.put / JoinableQueue.put
     "put.begin": "pickled, before any syscall (no slot taken yet)",
-    "put.tokens": "slot / task tokens taken, before the record is written",
+    "put.tokens": "task token and slot taken (bounded: holding the write lock), before the "
+    "record is written",
     "put.queued": "the message was left to the feeder thread (not written)",
     # Connection.send and every queue write
     "send.payload": "a large pickle written to its memfd, before sendmsg",
@@ -27,7 +28,7 @@ POINTS = {
     "recv.begin": "before recvmsg",
     "recv.got": "right after recvmsg, before the record is parsed",
     "recv.payload": "large payload or fd bag read, before unpickling",
-    "recv.loaded": "unpickled, before the slot token is given back",
+    "recv.loaded": "unpickled, before the task token is kept",
     "recv.done": "everything done, before returning the object",
 }
 

@@ -21,8 +21,9 @@ it, whole or not at all, with its fds attached as ``SCM_RIGHTS`` in the same rec
   be read: the back-pressure a stream socket's buffer gives, and a bound on memory in flight.
 * More fds than fit in one record (253 with the tokens and the payload) travel in a bag (flag
   ``BAG``, ``_fdpass.py``).
-* Tokens (``_ledger.py``) are a queue's slot and task units; ``slot`` is the slot's number (so
-  the consumer can ring the producers' bell with it), ``0xFFFFFFFF`` when there is none.
+* Tokens (``_ledger.py``) are a ``JoinableQueue``'s task units; ``slot`` is the record's number
+  in a bounded queue (``_ledger.py`` counts the records in the socket by it), ``0xFFFFFFFF``
+  elsewhere.
 
 Why this survives any death (no lock is held across a syscall, because none is needed): the
 kernel queues and dequeues whole records, so concurrent writers and concurrent readers of the

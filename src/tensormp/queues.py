@@ -10,12 +10,13 @@ Same API and semantics as the stdlib's (``multiprocessing.queues``), with these 
 * The pipe underneath is a Unix ``SOCK_SEQPACKET`` socket pair (``connection.py``): each
   message is one record, carrying the fds of shared-memory segments, and a consumer can
   rebuild arrays whose producer has exited.
-* No lock is shared between processes. The stdlib guards the pipe with a read lock and a
+* No lock that a dead process can keep. The stdlib guards the pipe with a read lock and a
   write lock (POSIX semaphores), and counts slots and unfinished tasks in semaphores: a
   process killed while holding one of them, or half-way through writing a message, wedges the
   queue for every other process. Here the kernel keeps records whole (concurrent writers and
-  readers need no lock), and slots and tasks are tokens that the kernel gives back when their
-  holder dies (``_ledger.py``).
+  readers need no lock), counts a bounded queue's items (the records in the socket; producers
+  write holding an OFD lock, which the kernel drops when its holder dies), and holds tasks as
+  tokens that it gives back when their holder dies (``_ledger.py``).
 
 Delivery rule (what survivors see when any process is SIGKILLed at any instant)
 ---------------------------------------------------------------------------------
@@ -28,12 +29,15 @@ The only messages lost are:
   this process is waiting, which is the usual case);
 * a consumer's message already taken from the socket by the ``get()`` it was in.
 
-A slot of a bounded queue and a task of a ``JoinableQueue`` held by a process that died are
-given back (the slot at once; a ``put()`` blocked on a full queue retries within 250 ms). An
-item whose taker died before ``task_done()`` counts as done: ``join()`` never waits for the
-dead. ``qsize()`` of a bounded queue is exact (it counts live slot tokens); of an unbounded
-queue it is approximate, and may stay off by one for each process killed in the middle of a
-``put()`` or a ``get()``.
+A bounded queue's slot is free once its record is taken from the socket (a consumer holds
+none); a producer killed while writing has its record counted if and only if it was written;
+the slots of messages a dead producer left to its feeder come back within a blocked
+``put()``'s back-off (250 ms at most) and at ``qsize()``. A task of a ``JoinableQueue`` held by
+a process that died is given back; an item whose taker died before ``task_done()`` counts as
+done: ``join()`` never waits for the dead. ``qsize()`` of a bounded queue is exact (records in
+the socket, by their numbers, plus messages left to feeders of live producers); of an
+unbounded queue it is approximate, and may stay off by one for each process killed in the
+middle of a ``put()`` or a ``get()``.
 
 How put() writes
 ----------------
@@ -49,6 +53,11 @@ turns on the GIL for every message) as one that writes itself.
 
 A message in the feeder's buffer keeps the memory it refers to (and its tokens) alive until
 the feeder has written it; from then on the kernel holds the fds in flight.
+
+A bounded queue's ``put()`` takes the ledger's write lock ``W`` first (room check, write, count;
+``_ledger.py``), then ``_direct``; so does the feeder: one order, no deadlock. Its socket asks for
+a 4 MiB send buffer (the kernel caps it at ``net.core.wmem_max``), so that ``maxsize`` small
+records fit and ``put()`` rarely leaves one to the feeder.
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ import collections
 import errno
 import os
 import select
+import socket
 import sys
 import threading
 import time
@@ -82,40 +92,59 @@ _SEM_VALUE_MAX = 2**31 - 1
 # write): measured, the slowest round of 20,000 kept 4 KiB arrays went from 26 to 21 us/item.
 # Never waited for while the feeder is in a blocking write.
 _DIRECT_WAIT = 0.001
+# Asked for as a bounded queue's send buffer (the kernel caps it at net.core.wmem_max): the
+# default (208 KiB) holds about 270 small records, fewer than most maxsizes.
+_SNDBUF_MAX = 4 << 20
+_EPOLLEXCLUSIVE = getattr(select, "EPOLLEXCLUSIVE", 1 << 28)
 _sentinel = object()
 _hooks = _testhooks.armed
 
 
 class _Outgoing:
-    """A message on its way: the pickle, and the tokens that go with it."""
+    """A message on its way: the pickle, its task token, and for a bounded queue the ledger
+    that counts it (written holding the ledger's ``W``; ``reserved`` while in the feeder's
+    buffer)."""
 
-    __slots__ = ("msg", "tokens", "slot")
+    __slots__ = ("msg", "tokens", "ledger", "reserved")
 
-    def __init__(self, msg: reducers.Message, tokens: list[Token], slot: int) -> None:
+    def __init__(self, msg: reducers.Message, tokens: list[Token], ledger: Ledger | None) -> None:
         self.msg = msg
         self.tokens = tokens
-        self.slot = slot
+        self.ledger = ledger
+        self.reserved = False
 
     def write(self, writer: Connection, block: bool) -> bool:
         """Write it (see ``Connection.write_record``); once written, this process's fds of
         the tokens are closed (the kernel holds them in flight with the record)."""
         msg = self.msg
         reducers.flush_release_records()  # holds reach creators before our results do
-        if self.tokens:
-            if not writer.write_record(msg.data, msg.fds, [t.fd for t in self.tokens], self.slot, block):
+        tokens = [t.fd for t in self.tokens] if self.tokens else ()
+        ledger = self.ledger
+        if ledger is not None:
+            if not ledger.write(writer, msg.data, msg.fds, tokens, block):
                 return False
-            for t in self.tokens:
-                t.close()
-        elif not writer.write_record(msg.data, msg.fds, (), NO_SLOT, block):
+            if self.reserved:
+                self.reserved = False
+                ledger.reserve(-1)
+        elif not writer.write_record(msg.data, msg.fds, tokens, NO_SLOT, block):
             return False
+        for t in self.tokens:
+            t.close()
         msg.sent()
         return True
 
-    def abandon(self) -> None:
-        """It will not be sent: give back its tokens and what pickling reserved."""
+    def abandon(self, sock: Any = None) -> None:
+        """It will not be sent: give back its tokens, its slot and what pickling reserved."""
         for t in self.tokens:
             t.close()
         self.msg.abandon()
+        if self.reserved and self.ledger is not None and sock is not None:
+            self.reserved = False
+            self.ledger.enter_reserved(sock)
+            try:
+                self.ledger.reserve(-1)
+            finally:
+                self.ledger.leave()
 
 
 def _send_blocking(writer: Connection, out: _Outgoing, blocked: list[bool]) -> None:
@@ -151,6 +180,8 @@ class Queue:
         self._maxsize = maxsize
         self._reader, self._writer = Pipe(duplex=False)
         self._ledger = Ledger(maxsize, self._joinable)
+        if maxsize:  # room for maxsize small records, so that put() rarely needs the feeder
+            self._writer._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SNDBUF_MAX)
         self._opid = os.getpid()
         self._ignore_epipe = False
         self._reset()
@@ -181,6 +212,7 @@ class Queue:
         self._closed = False
         self._close: Any = None
         self._poll = self._reader.poll
+        self._epoll: select.epoll | None = None  # get(timeout=...)'s waits: _wait_readable
 
     def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
         """Put ``obj`` on the queue; arrays travel as shared-memory handles."""
@@ -191,26 +223,52 @@ class Queue:
             _testhooks.reached("put.begin")
         ledger = self._ledger
         tokens: list[Token] = []
-        slot = NO_SLOT
-        try:
-            if self._maxsize:
-                token = ledger.take_slot(block, timeout)
-                if token is None:
-                    raise Full
-                tokens.append(token)
-                slot = token.index
-            else:
-                ledger.count(0)
-            if self._joinable:
+        if self._joinable:
+            try:
                 tokens.append(ledger.take_task())
+            except BaseException:
+                msg.abandon()
+                raise
+        if not self._maxsize:
+            ledger.count(0)
+            if _hooks:
+                _testhooks.reached("put.tokens")
+            self._enqueue(_Outgoing(msg, tokens, None))
+            return
+        out = _Outgoing(msg, tokens, ledger)
+        sock = self._reader._sock
+        try:
+            if not ledger.enter(sock, block, timeout):
+                raise Full
         except BaseException:
-            for t in tokens:
-                t.close()
-            msg.abandon()
+            out.abandon()
             raise
+        try:  # holding the ledger's W: write now, or count it reserved and leave it to the feeder
+            if _hooks:
+                _testhooks.reached("put.tokens")
+            if not self._buffer and self._direct.acquire(False):
+                try:
+                    if self._write_now(out):
+                        return
+                finally:
+                    self._direct.release()
+            ledger.reserve(1)
+            out.reserved = True
+            with self._notempty:
+                if self._thread is None:
+                    self._start_thread()
+                self._buffer.append(out)
+                self._notempty.notify()
+        except BaseException:
+            if out.reserved:
+                out.reserved = False
+                ledger.reserve(-1)
+            out.abandon()
+            raise
+        finally:
+            ledger.leave()
         if _hooks:
-            _testhooks.reached("put.tokens")
-        self._enqueue(_Outgoing(msg, tokens, slot))
+            _testhooks.reached("put.queued")
 
     def _enqueue(self, out: _Outgoing) -> None:
         if self._direct.acquire(False) or (
@@ -246,26 +304,22 @@ class Queue:
             return False  # the feeder meets it again and reports it as the stdlib does
 
     def _read(self, wait: bool) -> Record | None:
-        """One record; gives its slot back (and counts it) before returning."""
+        """One record; counts it (unbounded) or wakes a producer waiting for a slot."""
         ledger = self._ledger
         try:
             record = self._reader.read_record(wait)
         except (FdLimitError, OSError):  # dropped whole: its tokens are closed already
-            if self._maxsize:
-                ledger.ring()
-            else:
+            if not self._maxsize:
                 ledger.count(1)
+            elif ledger.waiters():
+                ledger.ring()
             raise
         if record is None:
             return None
-        if self._maxsize:
-            tokens = record.tokens
-            if tokens:
-                os.close(tokens[0])  # the slot: given back
-                record.tokens = tokens[1:]
-            ledger.ring(record.slot)
-        else:
+        if not self._maxsize:
             ledger.count(1)
+        elif ledger.waiters():
+            ledger.ring()
         return record
 
     def _load(self, record: Record) -> Any:
@@ -305,23 +359,33 @@ class Queue:
                 if not block:
                     raise Empty
                 left = deadline - time.monotonic()
-                if left <= 0 or not self._poll(left):
+                if left <= 0 or not self._wait_readable(left):
                     raise Empty
         assert record is not None
         return self._load(record)
+
+    def _wait_readable(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a record, as one of the waiters the kernel wakes
+        one at a time (``EPOLLEXCLUSIVE``): with several consumers in ``get(timeout=...)``, a
+        plain ``poll()`` woke them all for every record, and all but one found nothing."""
+        ep = self._epoll
+        if ep is None:  # one per process (_reset forgets it in a fork child)
+            ep = self._epoll = select.epoll()
+            ep.register(self._reader.fileno(), select.EPOLLIN | _EPOLLEXCLUSIVE)
+        return bool(ep.poll(max(timeout, 0.001), 1))
 
     def qsize(self) -> int:
         """Items put and not yet got: exact for a bounded queue (it counts the live slots),
         approximate for an unbounded one (see the module notes)."""
         if self._maxsize:
-            return self._ledger.slots_taken()
+            return self._ledger.slots_taken(self._reader._sock)
         return self._ledger.size()
 
     def empty(self) -> bool:
         return not self._poll()
 
     def full(self) -> bool:
-        return bool(self._maxsize) and self._ledger.slots_taken() >= self._maxsize
+        return bool(self._maxsize) and self.qsize() >= self._maxsize
 
     def get_nowait(self) -> Any:
         return self.get(False)
@@ -357,7 +421,8 @@ class Queue:
             args=(
                 self._buffer, self._notempty, self._writer, self._reader.close,
                 self._writer.close, self._ignore_epipe, self._on_queue_feeder_error,
-                self._direct, self._blocked,
+                self._direct, self._blocked, self._ledger if self._maxsize else None,
+                self._reader._sock,
             ),
             name="tensormp QueueFeederThread",
             daemon=True,
@@ -391,7 +456,7 @@ class Queue:
     def _feed(
         buffer: collections.deque[Any], notempty: threading.Condition, writer: Connection,
         reader_close: Any, writer_close: Any, ignore_epipe: bool, onerror: Any,
-        direct: threading.Lock, blocked: list[bool],
+        direct: threading.Lock, blocked: list[bool], ledger: Ledger | None, sock: socket.socket,
     ) -> None:
         room = select.poll()
         room.register(writer.fileno(), select.POLLOUT)
@@ -402,23 +467,29 @@ class Queue:
                     if not buffer:
                         notempty.wait()
                 while buffer:
-                    with direct:  # take and write as one step: put() may not write between
-                        if not buffer:  # put() wrote them all itself meanwhile
-                            break
-                        out = buffer.popleft()
-                        if out is _sentinel:
-                            reader_close()
-                            writer_close()
-                            return
-                        try:
-                            sent = out.write(writer, False)
-                        except OSError as e:
-                            if e.errno != errno.ETOOMANYREFS:
-                                raise
-                            _send_blocking(writer, out, blocked)  # waits for fds in flight
-                            sent = True
-                        if not sent:
-                            buffer.appendleft(out)  # still first: put() appends behind it
+                    if ledger is not None:  # a bounded queue's records are written holding W
+                        ledger.enter_reserved(sock)
+                    try:
+                        with direct:  # take and write as one step: put() may not write between
+                            if not buffer:  # put() wrote them all itself meanwhile
+                                break
+                            out = buffer.popleft()
+                            if out is _sentinel:
+                                reader_close()
+                                writer_close()
+                                return
+                            try:
+                                sent = out.write(writer, False)
+                            except OSError as e:
+                                if e.errno != errno.ETOOMANYREFS:
+                                    raise
+                                _send_blocking(writer, out, blocked)  # waits for fds in flight
+                                sent = True
+                            if not sent:
+                                buffer.appendleft(out)  # still first: put() appends behind it
+                    finally:
+                        if ledger is not None:
+                            ledger.leave()
                     out = None  # sent (the kernel holds the fds now), or back in the buffer
                     if not sent:
                         # The socket is full: wait for room *without* holding _direct, so that
@@ -427,7 +498,7 @@ class Queue:
                         room.poll()
             except Exception as e:
                 if out is not None:
-                    out.abandon()
+                    out.abandon(sock)
                 if ignore_epipe and getattr(e, "errno", 0) == errno.EPIPE:
                     return
                 if _mputil.is_exiting():
