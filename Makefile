@@ -16,7 +16,7 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -m slow
+	$(PY) -m pytest -m slow $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(PY) -m tensormp.examples.demo
