@@ -404,8 +404,15 @@ def test_losing_the_node_that_hosts_the_store(tmp_path):
     # The lost node hosts the job's store: the survivor raises tensormp's exception naming the
     # store's host, with torch's error as the cause, and a short stderr (no pages of C++ frames).
     r, lost, stderr, to_error = _spawn_loop_node_killed(tmp_path, "store")
-    assert r["type"] == "ProcessExitedException" and r["node"] == lost, r
-    assert f"node {lost} (host {r['host']}), which hosted the job's store" in r["message"], r
+    assert r["type"] == "ProcessExitedException" and r["host"], r
+    if r["node"] is None:
+        # The store died before this node's heartbeat read which node hosted it (the hosting
+        # rank writes that once it starts; seen under load in 2 of 2 full slow runs): the
+        # store's host is still named.
+        assert f"the node at {r['host']}, which hosted the job's store" in r["message"], r
+    else:
+        assert r["node"] == lost, r
+        assert f"node {lost} (host {r['host']}), which hosted the job's store" in r["message"], r
     assert r["cause"], r  # what this node saw: torch's error, or its rank's
     assert to_error < 2.5, (to_error, r)
     blocks = stderr.count("Exception raised from")
