@@ -707,6 +707,11 @@ class _Engine(QueueEngine):
                     f"worker {w.pid} gave back {n} tasks, it holds {len(w.outstanding)}"
                 )
             back = [w.outstanding.pop() for _ in range(n)]
+            for task in back:
+                # Pickled for ``w``: the parent registered ``w`` as the holder of its blocks in
+                # it, and ``w`` dropped the record unread. Pickled anew for the worker that
+                # takes it (as ``_on_exit`` does), or ``w``'s death frees blocks it still names.
+                task.msg = None
             w.assigned -= n
             w.gave_back = True
             if w.retiring and w.assigned < (self._maxtasks or 0):
