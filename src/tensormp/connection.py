@@ -471,13 +471,14 @@ class Connection(_mpc.Connection):
         msg.sent()
         return True
 
-    def send_message(self, msg: reducers.Message) -> None:
+    def send_message(self, msg: reducers.Message, slot: int = NO_SLOT) -> None:
         """Send an already pickled :class:`~tensormp.reducers.Message` (blocks while the
-        socket is full)."""
+        socket is full); ``slot`` goes in the record's header (``Record.slot``: a queue's
+        slot, the number of tasks a pool's batch carries)."""
         self._check_closed()
         self._check_writable()
         reducers.flush_release_records()  # holds reach creators before our results do
-        self.write_record(msg.data, msg.fds)
+        self.write_record(msg.data, msg.fds, slot=slot)
         msg.sent()
 
     def recv(self) -> Any:

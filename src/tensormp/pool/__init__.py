@@ -23,9 +23,12 @@ a block of the parent's and the pickle holds a handle (~200 bytes). Usually the 
 it; a single task submitted while a worker can take it at once is pickled and sent by the
 caller's own thread (``engines/local.py``, "Direct send": a thread hop less). A worker holds the task
 it runs and, while more tasks wait than there are workers, a few more queued in its socket so
-it need not wait for a round trip: one more when its calls take a millisecond or more or the
-task carries shared memory, up to 32 when its calls are tiny (about 2 ms of queued work, from
-the run times the worker reports; ``engines/local.py``, "Prefetch"). Tiny tasks the manager sends to
+it need not wait for a round trip: one more when its calls take a millisecond or more, up to 32
+when its calls are tiny (about 2 ms of queued work, from the run times the worker reports);
+none that carries shared memory. When a worker idles while another's task has run 10 ms with
+tasks queued behind it, the manager takes those back for it, so no task waits behind a long
+one while a worker idles (``engines/local.py``, "Prefetch"; ``worker.py``, "Give-back").
+Tiny tasks the manager sends to
 one worker at once travel as one message (a batch), each still answered on its own. A worker
 runs its tasks one at a time, in the order sent. In a batch, a task whose arguments are only
 scalars, ``str`` and ``bytes`` is not pickled on its own: it rides in the batch's one pickle,

@@ -20,7 +20,18 @@ What crosses the worker's ``Connection`` (pickled with tensormp's reducers):
   (``seq`` is None when the task could not be received or unpickled; ``seconds``: how long the
   call ran, which sets how many tasks the parent queues ahead, ``engines/local.py`` "Prefetch");
   ``(_DYING, seq, traceback)`` just before a ``BaseException`` (``SystemExit``...) raised by a
-  task ends the worker.
+  task ends the worker; ``(_RETURNED, n)``: see "Give-back".
+
+*Give-back.* A worker also has a *give-back thread*, blocked on an eventfd of the parent's
+(``give_back``). When the parent writes it (another worker idles while tasks wait here behind a
+long one), the thread takes, under the lock the main thread holds to pick its next task and to
+answer, every task not started: the rest of the batch being run, and every record still unread
+in the channel (read with ``MSG_DONTWAIT``; a record's header ``slot`` is the number of tasks
+it carries, no slot meaning one), and answers ``(_RETURNED, n)``: the last ``n`` tasks the
+parent sent here are the parent's again, never to run here (the parent sends nothing here
+meanwhile). It does so only while the main thread runs a task: then every unread record was
+sent behind a running task, so it carries no fds and no blocks of ours (the parent queues only
+such tasks behind a running one) and is simply dropped. Otherwise it answers ``n = 0``.
 
 The crash log is a memfd of the parent's, passed as a ``Process`` argument (:class:`_RawFd`);
 the worker points ``faulthandler`` at it, and the parent reads it when the worker dies of a
@@ -33,20 +44,24 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import pickle
 import reprlib
 import signal
 import sys
+import threading
 import types
 from time import perf_counter
 from typing import Any
 
 from .. import reducers
 from .._by_value import FnByValue, into_namespace
+from .._fdpass import close_all as _close_all
+from ..connection import NO_SLOT as _NO_SLOT
 from ..errors import FdLimitError
 from .tasks import _pickles
 
 _CALL, _MAP, _STARMAP = 0, 1, 2  # task kinds
-_READY, _INIT_ERROR, _RESULT, _DYING = 0, 1, 2, 3  # worker -> parent message tags
+_READY, _INIT_ERROR, _RESULT, _DYING, _RETURNED = 0, 1, 2, 3, 4  # worker -> parent tags
 _FN_CACHE = 16  # functions sent by value that a worker keeps unpickled
 
 
@@ -160,6 +175,49 @@ def _run_task(conn: Any, task: Any, cache: dict[bytes, Any]) -> tuple[Any, ...]:
     return (_RESULT, seq, True, value, perf_counter() - t0)
 
 
+class _Hand:
+    """What a worker holds and has not started (see "Give-back" in the module notes): the rest
+    of the batch being run (last first) and whether a task is running. Changed under ``lock``
+    by the main thread and by the give-back thread."""
+
+    __slots__ = ("lock", "batch", "running")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.batch: list[Any] = []
+        self.running = False
+
+
+def _give_back_loop(conn: Any, fd: int, hand: _Hand) -> None:
+    """The give-back thread: each time the parent writes ``fd``, hand back every task queued
+    here and not started, and say how many (``(_RETURNED, n)``)."""
+    while True:
+        try:
+            os.eventfd_read(fd)
+        except OSError:
+            return
+        with hand.lock:
+            n = 0
+            if hand.running:  # (else nothing is queued behind a task; the main thread reads)
+                n = len(hand.batch)
+                hand.batch.clear()
+                try:
+                    while True:
+                        record = conn.read_record(wait=False)
+                        if record is None:
+                            break
+                        # Only fd-less records wait behind a running task: nothing to free.
+                        _close_all(record.fds)
+                        record.close_tokens()
+                        n += 1 if record.slot == _NO_SLOT else record.slot
+                except (EOFError, OSError):  # the parent is gone
+                    return
+            try:
+                conn.send_bytes(pickle.dumps((_RETURNED, n)))
+            except OSError:
+                return
+
+
 def _worker_main(
     conn: Any,
     crash: _RawFd,
@@ -168,6 +226,7 @@ def _worker_main(
     maxtasks: int | None,
     inherited: Any,
     parent_pid: int,
+    give_back: _RawFd | None = None,
 ) -> None:
     """The target of every pool worker: run tasks from ``conn`` until told to stop.
 
@@ -189,18 +248,28 @@ def _worker_main(
         except BaseException as e:
             _send_quietly(conn, (_INIT_ERROR, _wrap(e)))
             sys.exit(1)
+    hand = _Hand()
+    lock = hand.lock
+    if give_back is not None:
+        threading.Thread(
+            target=_give_back_loop, args=(conn, give_back.fd, hand),
+            name="tensormp-pool-give-back", daemon=True,
+        ).start()
     try:
         conn.send((_READY, os.getpid()))
     except OSError:  # the pool is gone already
         return
     cache: dict[bytes, Any] = {}
-    batch: list[Any] = []  # a batch's tasks not run yet (pickles or tuples), last first
+    batch = hand.batch  # a batch's tasks not run yet (pickles or tuples), last first
     batch_fns: list[Any] = []  # its callables: pickles, loaded on first use
     done = 0
+    # The batch's next task, taken (and ``hand.running`` set) under the lock in the same step
+    # as the previous answer went out; None: read the channel.
+    data: Any = None
     while maxtasks is None or done < maxtasks:
         reply: Any = None
-        if batch:
-            data, fds = batch.pop(), []
+        if data is not None:
+            fds: list[int] = []
             if type(data) is tuple:  # a light task: (seq, index of its callable, kind, args)
                 seq, i, kind, args = data
                 data = None
@@ -243,28 +312,37 @@ def _worker_main(
                     return
                 if type(task) is list:  # a batch: each task answered on its own, in order
                     batch_fns = task[0]
-                    batch = task[:0:-1]
+                    with lock:
+                        batch[:] = task[:0:-1]
+                        data = batch.pop() if batch else None
+                        hand.running = data is not None
                     continue
             finally:
                 reducers.process_args_parent(0)
             del data, fds
             if reply is None:
+                if not hand.running:
+                    with lock:
+                        hand.running = True
                 reply = _run_task(conn, task, cache)
                 del task
-        try:
-            conn.send(reply)
-        except (BrokenPipeError, ConnectionError, EOFError):
-            return
-        except Exception as e:  # the result cannot be pickled: say why (as the stdlib)
-            from multiprocessing.pool import (  # type: ignore[attr-defined]  # no stub
-                MaybeEncodingError,
-            )
+        with lock:
+            try:
+                conn.send(reply)
+            except (BrokenPipeError, ConnectionError, EOFError):
+                return
+            except Exception as e:  # the result cannot be pickled: say why (as the stdlib)
+                from multiprocessing.pool import (  # type: ignore[attr-defined]  # no stub
+                    MaybeEncodingError,
+                )
 
-            short = _Repr(reprlib.repr(reply[3]))
-            error = MaybeEncodingError(e, short)
-            # The pickling error itself travels too (in the instance's __dict__), when it can:
-            # the executor raises it, as concurrent.futures does.
-            error.pickling_error = e if _pickles(e) else None
-            conn.send((_RESULT, reply[1], False, _wrap(error), reply[4]))
+                short = _Repr(reprlib.repr(reply[3]))
+                error = MaybeEncodingError(e, short)
+                # The pickling error itself travels too (in the instance's __dict__), when it
+                # can: the executor raises it, as concurrent.futures does.
+                error.pickling_error = e if _pickles(e) else None
+                conn.send((_RESULT, reply[1], False, _wrap(error), reply[4]))
+            data = batch.pop() if batch else None
+            hand.running = data is not None
         reply = None
         done += 1

@@ -29,10 +29,20 @@ manager, if it held only the task it runs: on 2 cores that costs more than the t
 stdlib's shared queue holds every task at once, so its workers never wait). So the manager keeps
 up to ``depth`` small tasks queued in a worker's channel, ``depth`` chosen so that they add up
 to about ``_PREFETCH_BUDGET`` seconds of run time (the worker measures each call; a moving
-average; at least 2, at most ``_MAX_DEPTH``): tasks of a millisecond or more keep the old "one running, one queued",
-while thousands of microsecond tasks stream. A worker's queue gets another task only while more
-tasks wait than there are workers, so an idle worker is always served first. Tasks that carry
-our shared memory (pinned while queued) or are large are queued at most one deep.
+average; at least 2, at most ``_MAX_DEPTH``): tasks of a millisecond or more keep "one running,
+one queued", while thousands of microsecond tasks stream. The rule, so that no task waits behind
+a long one while a worker idles (the stdlib and loky never let it):
+
+* an idle worker is served first; a busy one gets a queued task only while more tasks wait
+  than there are workers, and not while it runs a task it gave tasks back behind (below);
+* only *queueable* tasks wait behind a running one: small, no fds, no blocks of ours, no
+  counted names (``_queueable``): what carries shared memory waits here for an idle worker,
+  pickled already;
+* *give-back*: when a worker idles with nothing pending while another's running task has run
+  ``_STEAL_AFTER`` with tasks queued behind it, the manager asks that worker (its eventfd) for
+  every task it has not started, sends it nothing until it answers ``(_RETURNED, n)``, and puts
+  its last ``n`` tasks back at the head of the deque, for the idle worker (``worker.py``,
+  "Give-back", says why no task can run twice or be lost). A future stays RUNNING meanwhile.
 
 *Light batches.* Small fd-less tasks bound for one worker in one round go as one message. A
 *light* task (arguments only scalars, ``str``, ``bytes``: ``tasks._light_size``) is not
@@ -61,7 +71,7 @@ from ...connection import Pipe
 from ...errors import FdLimitError
 from ..errors import BrokenPoolError, WorkerLostError, _signal_name
 from ..tasks import _describe, _light_size, _pickles, _Task
-from ..worker import _DYING, _INIT_ERROR, _READY, _RESULT, _RawFd, _worker_main
+from ..worker import _DYING, _INIT_ERROR, _READY, _RESULT, _RETURNED, _RawFd, _worker_main
 from . import EngineConfig
 from .base import QueueEngine
 
@@ -72,6 +82,8 @@ _PREFETCH_MAX_BYTES = 64 << 10  # never queue a bigger message behind a running 
 # one from a caller's thread)
 _PREFETCH_BUDGET = 0.002  # seconds of tasks queued in a worker's channel (see "Prefetch")
 _MAX_DEPTH = 32  # tasks in a worker's channel at most (the one it runs included)
+_STEAL_AFTER = 0.01  # seconds a task runs before the tasks queued behind it are taken back
+# for an idle worker (see "Prefetch")
 _EMA = 0.25  # weight of the newest sample in a worker's time per task
 _TERM_GRACE = 2.0  # seconds from SIGTERM to SIGKILL in terminate()
 _STOP_GRACE = 5.0  # seconds a worker told to stop (close()) may take to exit before SIGKILL
@@ -85,13 +97,17 @@ class _Worker:
     __slots__ = (
         "process", "conn", "crash_fd", "pid", "ready", "assigned", "outstanding", "eof",
         "retiring", "stopping", "dying", "init_error", "gone", "stop_deadline", "per_task",
-        "depth",
+        "depth", "give_back_fd", "stealing", "gave_back", "head_since",
     )
 
-    def __init__(self, process: Any, conn: Any, crash_fd: int) -> None:
+    def __init__(self, process: Any, conn: Any, crash_fd: int, give_back_fd: int) -> None:
         self.process = process
         self.conn = conn
         self.crash_fd = crash_fd
+        self.give_back_fd = give_back_fd  # written to ask for its queued tasks back
+        self.stealing = False  # asked, not answered yet: nothing is sent to it meanwhile
+        self.gave_back = False  # gave tasks back: nothing is queued behind its running one
+        self.head_since = 0.0  # when its oldest outstanding task started (about)
         self.pid: int = process.pid
         self.ready = False
         self.assigned = 0  # tasks sent, for maxtasksperchild
@@ -231,6 +247,8 @@ class _Engine(QueueEngine):
                     msg.abandon()
                     task.msg = None
                     return True
+            if not target.outstanding:
+                target.head_since = time.monotonic()
             target.outstanding.append(task)  # before the answer can arrive
             try:
                 sent = target.conn.try_send_message(msg)
@@ -250,14 +268,16 @@ class _Engine(QueueEngine):
         the prefetch budget) when the message carries no fds. ``msg`` None: not pickled yet."""
         best = None
         for w in self.workers:
-            if not w.ready or w.eof or w.stopping or w.retiring or w.gone:
+            if not w.ready or w.eof or w.stopping or w.retiring or w.gone or w.stealing:
                 continue
             held = len(w.outstanding)
             if held == 0:
                 return w
-            if w.depth > 2 and held < w.depth and (best is None or held < len(best.outstanding)):
+            if w.depth > 2 and held < w.depth and not w.gave_back and (
+                best is None or held < len(best.outstanding)
+            ):
                 best = w
-        if best is not None and msg is not None and msg.fds:
+        if best is not None and msg is not None and not _queueable(msg):
             return None
         return best
 
@@ -289,8 +309,9 @@ class _Engine(QueueEngine):
         self._dispatch()
         if state == _CLOSE and self._closing_done():
             return False
+        wait = self._balance()
         reducers.flush_release_records()  # what we hold and dropped, before we wait
-        events = self._poller.poll(_LIVENESS_INTERVAL * 1000)
+        events = self._poller.poll(wait * 1000)
         todo = [(self._fdmap.get(fd), fd) for fd, _ in events]
         for entry, fd in todo:
             if entry is None:
@@ -330,14 +351,17 @@ class _Engine(QueueEngine):
     # -- workers ----------------------------------------------------------------------------
     def _start_worker(self) -> None:
         ours, theirs = Pipe(duplex=True)
-        crash_fd = -1
+        crash_fd = give_back_fd = -1
         try:
             crash_fd = os.memfd_create("tensormp-pool-crash-log", os.MFD_CLOEXEC)
+            # Blocking: the worker's give-back thread waits on it (the flag is shared).
+            give_back_fd = os.eventfd(0, os.EFD_CLOEXEC)
             process = self.ctx.Process(
                 target=_worker_main,
                 args=(
                     theirs, _RawFd(crash_fd), self._initializer, self._initargs,
                     self._maxtasks, ours if self.method == "fork" else None, os.getpid(),
+                    _RawFd(give_back_fd),
                 ),
                 name=f"TensormpPoolWorker-{next(self._serial)}",
                 daemon=True,
@@ -345,12 +369,13 @@ class _Engine(QueueEngine):
             process.start()
         except BaseException:
             ours.close()
-            if crash_fd >= 0:
-                os.close(crash_fd)
+            for fd in (crash_fd, give_back_fd):
+                if fd >= 0:
+                    os.close(fd)
             raise
         finally:
             theirs.close()
-        worker = _Worker(process, ours, crash_fd)
+        worker = _Worker(process, ours, crash_fd, give_back_fd)
         self.workers.append(worker)
         self._register(ours.fileno(), _CONN, worker)
         self._register(process.sentinel, _SENTINEL, worker)
@@ -425,6 +450,8 @@ class _Engine(QueueEngine):
             if w.depth != depth:
                 self._room_limit = max(self._min_room, sum(x.depth for x in self.workers))
             self._answers.append((w.outstanding.popleft(), ok, value))
+            w.head_since = time.monotonic()
+            w.gave_back = False
         elif tag == _READY:
             w.ready = True
             self._startup_failures = 0
@@ -432,6 +459,8 @@ class _Engine(QueueEngine):
             w.init_error = reply[1]
         elif tag == _DYING:
             w.dying = reply[2]
+        elif tag == _RETURNED:
+            self._take_back(w, reply[1])
 
     def _fail_oldest(self, w: _Worker, error: BaseException) -> None:
         if w.outstanding:
@@ -521,9 +550,10 @@ class _Engine(QueueEngine):
             w.process.close()
         except ValueError:  # still running (a worker we could not kill): leave it
             pass
-        if w.crash_fd >= 0:
-            os.close(w.crash_fd)
-            w.crash_fd = -1
+        for fd in (w.crash_fd, w.give_back_fd):
+            if fd >= 0:
+                os.close(fd)
+        w.crash_fd = w.give_back_fd = -1
 
     def _lost(self, w: _Worker, code: int, task: _Task, crash: str) -> WorkerLostError:
         from multiprocessing.pool import RemoteTraceback  # type: ignore[attr-defined]  # not in typeshed
@@ -590,13 +620,13 @@ class _Engine(QueueEngine):
             idle = busy = None
             busy_held = 0
             for w in self.workers:
-                if not w.ready or w.eof or w.stopping or w.retiring:
+                if not w.ready or w.eof or w.stopping or w.retiring or w.stealing:
                     continue
                 held = len(w.outstanding) + len(planned.get(w, ()))
                 if held == 0:
                     idle = w
                     break
-                if held < w.depth and (busy is None or held < busy_held):
+                if held < w.depth and (busy is None or held < busy_held) and not w.gave_back:
                     busy, busy_held = w, held  # the least loaded
             if idle is None and (busy is None or npending < len(self.workers)):
                 return False
@@ -620,10 +650,8 @@ class _Engine(QueueEngine):
                 msg = self._pickle(task)
                 if msg is None:
                     continue
-                nbytes, heavy = len(msg.data), bool(msg.fds or msg.noted)
-                if idle is None and (
-                    nbytes > _PREFETCH_MAX_BYTES or (busy_held > 1 and heavy)
-                ):
+                nbytes, heavy = len(msg.data), not _queueable(msg)
+                if idle is None and heavy:
                     with self._lock:  # it waits for an idle (or less loaded) worker
                         self._pending.appendleft(task)
                     return False
@@ -634,6 +662,62 @@ class _Engine(QueueEngine):
                 # sent now, after what was planned for that worker (in order)
                 del planned[target], planned_bytes[target]
                 self._send_tasks(target, batch)
+
+    def _balance(self) -> float:
+        """While a worker idles (nothing pending is left for it), ask every worker whose
+        task has run ``_STEAL_AFTER`` with tasks queued behind it to give those back (see
+        "Give-back"); the seconds until the next such check is due (the poll timeout)."""
+        idle = False
+        queued = []
+        for w in self.workers:
+            if not w.ready or w.eof or w.stopping or w.gone or w.stealing:
+                continue
+            held = len(w.outstanding)
+            if held == 0:
+                idle = idle or not w.retiring
+            elif held > 1:
+                queued.append(w)
+        wait = _LIVENESS_INTERVAL
+        if not idle or not queued:
+            return wait
+        now = time.monotonic()
+        for w in queued:
+            due = w.head_since + _STEAL_AFTER - now
+            if due > 0:
+                wait = min(wait, due)
+                continue
+            with self._send_lock:  # from here no task is sent to it until it answers
+                if w.eof or w.gone:
+                    continue
+                w.stealing = True
+            try:
+                os.eventfd_write(w.give_back_fd, 1)
+            except OSError:
+                w.stealing = False
+        return wait
+
+    def _take_back(self, w: _Worker, n: int) -> None:
+        """``w`` gave back its last ``n`` tasks, never started: they go first to the others."""
+        w.stealing = False
+        if not n:
+            return
+        with self._send_lock:
+            if n > len(w.outstanding):
+                raise RuntimeError(
+                    f"worker {w.pid} gave back {n} tasks, it holds {len(w.outstanding)}"
+                )
+            back = [w.outstanding.pop() for _ in range(n)]
+            for task in back:
+                # Pickled for ``w``: the parent registered ``w`` as the holder of its blocks in
+                # it, and ``w`` dropped the record unread. Pickled anew for the worker that
+                # takes it (as ``_on_exit`` does), or ``w``'s death frees blocks it still names.
+                task.msg = None
+            w.assigned -= n
+            w.gave_back = True
+            if w.retiring and w.assigned < (self._maxtasks or 0):
+                w.retiring = False  # it runs more before it exits (its successor runs already)
+        with self._lock:
+            self._pending.extendleft(back)  # (popped last first: in order again)
 
     def _hungry(self) -> bool:
         """With nothing pending: must a submit wake us? Not while every worker holds at least
@@ -696,11 +780,14 @@ class _Engine(QueueEngine):
             register_holder(w.pid, msg.noted)
         with self._send_lock:
             try:
-                w.conn.send_message(msg)
+                # The header says how many tasks the record carries (see worker.py, Give-back)
+                w.conn.send_message(msg, slot=len(tasks))
             except OSError:  # the worker is gone (its sentinel will say how)
                 failed = True
             else:
                 failed = False
+                if not w.outstanding:
+                    w.head_since = time.monotonic()
                 w.outstanding.extend(tasks)
                 w.assigned += len(tasks)
         if failed:
@@ -825,6 +912,12 @@ class _Engine(QueueEngine):
                 os.close(self._wake_fd)
             self._wake_fd = -1
         self._end_state()
+
+
+def _queueable(msg: reducers.Message) -> bool:
+    """Whether a task may wait in a worker's channel behind a running one: small, and nothing
+    to give back if it is taken back unread (no fds, no blocks of ours, no counted names)."""
+    return not (msg.fds or msg.noted or msg.counted) and len(msg.data) <= _PREFETCH_MAX_BYTES
 
 
 def _exit_text(code: int) -> str:
