@@ -71,6 +71,7 @@ import termios
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from multiprocessing import reduction as _mpr
 from typing import Any
 
@@ -121,6 +122,22 @@ def _lock(fd: int, cmd: int, kind: int, start: int, length: int = 1) -> bool:
         raise
     return True
 
+
+
+def _written(fd: int, size: int) -> Iterator[tuple[int, int]]:
+    """The ``[start, end)`` byte ranges of ``fd``'s first ``size`` bytes that hold data (pages
+    some process wrote: ``SEEK_DATA``/``SEEK_HOLE``); the holes read as zeros."""
+    pos = 0
+    while pos < size:
+        try:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError:  # ENXIO: no data after pos
+            return
+        if start >= size:
+            return
+        end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+        yield start, end
+        pos = end
 
 def _held(fd: int, start: int, length: int) -> tuple[int, int] | None:
     """``(start, length)`` of some lock another OFD holds in the range, or None."""
@@ -488,21 +505,11 @@ class Ledger:
         """Subtract the reservations and waiters of dead processes (holding W)."""
         self._reclaim_due = False
         view, fd = self._view, self._fd
-        size = self._rows
-        pos = 0
-        while pos < size:
-            try:
-                start = os.lseek(fd, pos, os.SEEK_DATA)
-            except OSError:  # ENXIO: no data after pos
-                break
-            if start >= size:
-                break
-            end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+        for start, end in _written(fd, self._rows):
             for i in range(start // 8 & ~1, end // 8, 2):
                 if (view[i] or view[i + 1]) and i // 2 != self._row:
                     if _held(fd, ROW_BASE + i // 2, 1) is None:
                         self._forget_row(i // 2)
-            pos = end
 
     def slots_taken(self, sock: socket.socket) -> int:
         """Items now in a bounded queue: in the socket, being written, reserved."""
@@ -622,18 +629,11 @@ class _Counters:
 
     def balance(self, size: int) -> int:
         """Sum of puts minus sum of gets, over the pages any process wrote in ``[0, size)``."""
-        fd, array = self._fd, self.array
+        array = self.array
         total = 0
-        pos = 0
-        while pos < size:
-            try:
-                start = os.lseek(fd, pos, os.SEEK_DATA)
-            except OSError:  # ENXIO: no data after pos
-                break
-            end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+        for start, end in _written(self._fd, size):
             values = array[start // 8 : end // 8]
             total += sum(values[0::2]) - sum(values[1::2])
-            pos = end
         return total
 
     def close(self) -> None:
