@@ -552,6 +552,24 @@ class Trial:
         return "; ".join(errs) if errs else None
 
 
+
+def _collect_results(
+    procs: list[Any], readers: list[Any], deadline: float, timeout: float
+) -> list[dict[str, Any]]:
+    """Each worker's result dict from its pipe by ``deadline`` (monotonic), or ``{"error": ...}``
+    saying why there is none."""
+    results: list[dict[str, Any]] = []
+    for proc, reader in zip(procs, readers):
+        try:
+            if reader.poll(max(0.0, deadline - time.monotonic())):
+                results.append(reader.recv())
+            else:
+                results.append({"error": f"{proc.name}: no result within {timeout:.0f} s"})
+        except (EOFError, OSError):
+            results.append({"error": f"{proc.name}: exited ({proc.exitcode}) without a result"})
+        reader.close()
+    return results
+
 def _run_trial(method: str, specs: list[tuple[Callable[..., None], tuple[Any, ...]]],
                timeout: float) -> Trial:
     """Start one ``spawn`` process per ``(target, args)``, collect each one's result dict.
@@ -569,16 +587,7 @@ def _run_trial(method: str, specs: list[tuple[Callable[..., None], tuple[Any, ..
         procs.append(proc)
         readers.append(reader)
     deadline = time.monotonic() + timeout
-    results: list[dict[str, Any]] = []
-    for proc, reader in zip(procs, readers):
-        try:
-            if reader.poll(max(0.0, deadline - time.monotonic())):
-                results.append(reader.recv())
-            else:
-                results.append({"error": f"{proc.name}: no result within {timeout:.0f} s"})
-        except (EOFError, OSError):
-            results.append({"error": f"{proc.name}: exited ({proc.exitcode}) without a result"})
-        reader.close()
+    results = _collect_results(procs, readers, deadline, timeout)
     cleanup = []
     for proc in procs:
         proc.join(10)
@@ -630,16 +639,7 @@ def _run_flow(method: str, producers: int, consumers: int, maxsize: int, payload
             break
     start = time.perf_counter()
     go.set()
-    results: list[dict[str, Any]] = []
-    for proc, reader in zip(procs, readers):
-        try:
-            if reader.poll(max(0.0, deadline - time.monotonic())):
-                results.append(reader.recv())
-            else:
-                results.append({"error": f"{proc.name}: no result within {timeout:.0f} s"})
-        except (EOFError, OSError):
-            results.append({"error": f"{proc.name}: exited ({proc.exitcode}) without a result"})
-        reader.close()
+    results = _collect_results(procs, readers, deadline, timeout)
     cleanup = []
     for proc in procs:
         proc.join(10)
