@@ -66,6 +66,9 @@ def test_parent_dataloader_over_a_dataset_a_joined_process_had(tmp_path):
 ], ids="-".join)
 def test_plain_queues_carry_tensormp_tensors_shared_both_ways(tmp_path, args):
     out = _run([str(SCRIPTS / "torch_stdlib_channels.py"), *args], tmp_path, 230)
+    # 50 round trips open no fd; one the process held before (e.g. the exited child's or the
+    # forkserver's) may close meanwhile, so the count may drop (-3 seen under CI load).
+    assert out.pop("fds_grew") <= 0, out
     assert out == {
         "child_sees_shared": [True, True],
         "parent_sees_child_writes": [1000.0, 10.0],
@@ -76,7 +79,6 @@ def test_plain_queues_carry_tensormp_tensors_shared_both_ways(tmp_path, args):
         "remote_held_bytes": 0,  # the child's holds came back: no leak
         "plain_by_torch": True,
         "plain_same": True,
-        "fds_grew": 0,
     }
 
 
