@@ -86,6 +86,11 @@ def main(channel, method, strategy):
     for _ in range(50):
         q_in.put(t)
         q_in.get(timeout=60)
+    # The stdlib's resource sharer (its DupFd outside a spawning Popen) hands each fd over from a
+    # thread of its own, which closes its copy and the connection a moment later: wait for that.
+    deadline = time.monotonic() + 10
+    while fds() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
     res["fds_grew"] = fds() - before
     q_in.close()
     q_out.close()
