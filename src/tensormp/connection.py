@@ -231,6 +231,8 @@ class Connection(_mpc.Connection):
 
     if TYPE_CHECKING:  # private attributes of the stdlib's _ConnectionBase (not in typeshed)
         _handle: int
+        _readable: bool
+        _writable: bool
 
         def _check_closed(self) -> None: ...
         def _check_readable(self) -> None: ...
@@ -474,8 +476,9 @@ class Connection(_mpc.Connection):
         Pickling happens here, in the caller: an object that cannot be pickled raises
         (``TypeError``/``pickle.PicklingError``) before anything is written.
         """
-        self._check_closed()
-        self._check_writable()
+        if self._handle is None or not self._writable:  # the stdlib's checks, without 2 calls
+            self._check_closed()
+            self._check_writable()
         msg = reducers.dumps(obj)
         try:
             _flush_release_records()  # holds reach creators before our results do
@@ -513,8 +516,9 @@ class Connection(_mpc.Connection):
 
     def recv(self) -> Any:
         """Receive an object sent with :meth:`send` (blocks). Raises ``EOFError`` at EOF."""
-        self._check_closed()
-        self._check_readable()
+        if self._handle is None or not self._readable:
+            self._check_closed()
+            self._check_readable()
         record = self.read_record()
         assert record is not None
         if record.tokens:

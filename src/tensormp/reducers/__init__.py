@@ -196,16 +196,11 @@ _copyreg_table = copyreg.dispatch_table
 _extra_reducers: dict[type, Any] = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
 
 
-def _dispatch_table() -> dict[type, Any]:
+def _refresh_table() -> tuple[tuple[int, int, int], dict[type, Any]]:
     """The dispatch table of this process's tensormp pickler (see the module notes), rebuilt
     when a registration added an entry to one of its three sources (their sizes are the key:
-    no registry tells of changes)."""
+    no registry tells of changes); :func:`dumps` checks the key without a call."""
     global _table_cache
-    modules = sys.modules
-    for module, _reducer in _waiting:  # as _load_libraries(), without a call per message
-        if module in modules:
-            _load_libraries()
-            break
     key = (len(_copyreg_table), len(_extra_reducers), len(_reducers))
     cached = _table_cache
     if cached is None or cached[0] != key:
@@ -214,7 +209,7 @@ def _dispatch_table() -> dict[type, Any]:
         table.update(_reducers)
         cached = _table_cache = (key, table)
         _Pickler.dispatch_table = table  # read by each new pickler (in C, at creation)
-    return cached[1]
+    return cached
 
 
 class _Undo(list[tuple[Callable[..., None], tuple[Any, ...]]]):
@@ -297,7 +292,7 @@ class Message:
 
 class _Pickler(pickle.Pickler):
     """The stdlib's C pickler with tensormp's dispatch table (a class attribute that
-    :func:`_dispatch_table` replaces when a registration changes)."""
+    :func:`_refresh_table` replaces when a registration changes)."""
 
     dispatch_table: dict[type, Any] = {}
 
@@ -355,11 +350,6 @@ class _Chunks(list[bytes]):
         super().__init__()
         self.write = self.append
 
-    def take(self) -> bytes:
-        data = self[0] if len(self) == 1 else b"".join(self)
-        self.clear()
-        return data
-
 
 def dumps(obj: object) -> Message:
     """Pickle ``obj`` for a tensormp channel. Errors raise here, in the caller."""
@@ -373,7 +363,17 @@ def dumps(obj: object) -> Message:
         stack = local["dumping"] = []
     stack.append(msg)
     try:
-        table = _dispatch_table()
+        modules = sys.modules
+        for module, _reducer in _waiting:  # as _load_libraries(), without a call per message
+            if module in modules:
+                _load_libraries()
+                break
+        cached_table = _table_cache
+        if cached_table is None or cached_table[0] != (
+            len(_copyreg_table), len(_extra_reducers), len(_reducers)
+        ):
+            cached_table = _refresh_table()
+        table = cached_table[1]
         # One pickler per thread, reused (0.4 us of a 4 KiB array's ~6 us here); a fresh one
         # when the dispatch table changed or for a dumps() inside a reducer.
         cached = local.get("pickler")
@@ -386,9 +386,9 @@ def dumps(obj: object) -> Message:
                 local["pickler"] = (pickler, out, table)
         try:
             pickler.dump(obj)
-            msg.data = out.take()
+            msg.data = out[0] if len(out) == 1 else b"".join(out)
         finally:
-            out.clear()  # after an error: what was written of this pickle
+            out.clear()
             pickler.clear_memo()  # the memo refers to what was pickled: keep nothing alive
     except BaseException:
         msg.abandon()
