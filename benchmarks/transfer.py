@@ -78,8 +78,9 @@ Workloads
     when installed. Target: tensormp <= the stdlib's bounded queue per item, every pattern.
 ``fifo``: the same harness, 1 producer -> 1 consumer, tensormp's ``Queue`` against faster-fifo
     (a C++ ring buffer in shared memory under a process-shared mutex), put/get one at a time
-    and, where tensormp has them, ``put_many``/``get_many`` in batches of 100. Target:
-    tensormp <= faster-fifo per item.
+    and, where tensormp has them, ``put_many``/``get_many`` in batches of 100; and a tensormp
+    ``Pipe``'s ``send``/``recv`` against faster-fifo's put/get. Target: tensormp <= faster-fifo
+    per item.
 """
 
 from __future__ import annotations
