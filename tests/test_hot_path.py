@@ -113,3 +113,34 @@ def test_closed_and_one_way_ends_raise_as_the_stdlib():
         w.send(b"x")
     with pytest.raises(OSError, match="closed"):
         r.recv()
+
+
+def _write_what_comes(conn) -> None:
+    payload, arrays = conn.recv()
+    for a in arrays:
+        a[1] = 7  # the sender's memory
+    conn.send(len(payload))
+    conn.close()
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_large_message_keeps_the_fds_of_its_arrays(method):
+    """A pickle over INLINE_MAX travels in a memfd beside the message's own fds: another
+    process must get those fds as the message's (not as queue tokens, which it closes)."""
+    ours, theirs = mp.Pipe()
+    child = mp.get_context(method).Process(target=_write_what_comes, args=(theirs,))
+    child.start()
+    theirs.close()
+    try:
+        arrays = [mp.zeros(16, dtype=np.float32), mp.zeros(1 << 20, dtype=np.uint8)]
+        ours.send((b"z" * (200 << 10), arrays))
+        assert ours.poll(30), "the child did not answer"
+        assert ours.recv() == 200 << 10
+        assert [int(a[1]) for a in arrays] == [7, 7]
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+            child.join()
+        ours.close()
+    assert child.exitcode == 0

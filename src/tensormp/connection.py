@@ -413,12 +413,13 @@ class Connection(_mpc.Connection):
             tokens = fds[:ntok]
             rest = fds[ntok:]
         else:
-            tokens = rest = fds
+            tokens = []
+            rest = fds
         if not kind:
             if len(rest) != nfds:
                 _fdpass.close_all(fds)
                 raise OSError(errno.EBADMSG, f"a record announced {nfds} fds but carries {len(rest)}")
-            return Record(data[_HEADER_SIZE:], rest, tokens if ntok else [], slot)
+            return Record(data[_HEADER_SIZE:], rest, tokens, slot)
         try:
             if kind & LARGE:
                 if not rest:
