@@ -5,9 +5,10 @@ Protocol
 ``dumps(obj)`` pickles with a private pickler whose dispatch table is the stdlib's
 ``ForkingPickler`` table (whatever torch or others registered there) *plus* tensormp's reducers,
 which win (an object of a type the C pickler writes itself, ``bytes``, ``str``, a number or
-``None``, is pickled by ``pickle.dumps``: no reducer could take part). A reducer that needs an fd on the other side (a shared-memory segment, a tensormp
-``Connection``) calls :meth:`Message.add_fd`, which appends the fd to the message's fd list
-(once per segment per message) and returns its index; the pickle stores only the index. The
+``None``, is pickled by ``pickle.dumps``: no reducer could take part). A reducer that needs an
+fd on the other side (a shared-memory segment, a tensormp ``Connection``) calls
+:meth:`Message.add_fd`, which appends the fd to the message's fd list (once per segment per
+message) and returns its index; the pickle stores only the index. The
 transport then carries the fds beside the bytes: ``SCM_RIGHTS`` on tensormp's sockets
 (``connection.py``), or the start method's fd inheritance for ``Process`` arguments
 (``context.py``). ``loads(data, fds)`` makes the fds available to rebuild functions, which
