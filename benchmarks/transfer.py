@@ -78,8 +78,9 @@ Workloads
     when installed. Target: tensormp <= the stdlib's bounded queue per item, every pattern.
 ``fifo``: the same harness, 1 producer -> 1 consumer, tensormp's ``Queue`` against faster-fifo
     (a C++ ring buffer in shared memory under a process-shared mutex), put/get one at a time
-    and, where tensormp has them, ``put_many``/``get_many`` in batches of 100. Target:
-    tensormp <= faster-fifo per item.
+    and, where tensormp has them, ``put_many``/``get_many`` in batches of 100; and a tensormp
+    ``Pipe``'s ``send``/``recv`` against faster-fifo's put/get. Target: tensormp <= faster-fifo
+    per item.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ GET_TIMEOUT = 30.0  # seconds a consumer waits for one item before giving up
 # =============================================================================================
 def _context(method: str) -> Any:
     """The ``spawn`` context of ``method``'s library."""
-    if method == "tensormp":
+    if method.startswith("tensormp"):
         return tensormp.get_context("spawn")
     if method == "torch":
         import torch.multiprocessing as tmp
@@ -455,12 +456,35 @@ def _cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+class _PipeFlow:
+    """A one-way tensormp ``Pipe`` with the queue methods the flow workers call (``put`` is
+    ``send``, ``get`` is ``recv``): 1 producer -> 1 consumer only."""
+
+    def __init__(self) -> None:
+        self.reader, self.writer = tensormp.Pipe(duplex=False)
+
+    def put(self, obj: Any) -> None:
+        self.writer.send(obj)
+
+    def get(self, timeout: float | None = None) -> Any:  # the parent's deadline bounds a hang
+        return self.reader.recv()
+
+    def close(self) -> None:
+        self.writer.close()
+
+    def join_thread(self) -> None:
+        pass
+
+
 def _flow_queue(method: str, maxsize: int) -> Any:
-    """A queue of ``method`` holding at most ``maxsize`` items (0: unbounded)."""
+    """A queue of ``method`` holding at most ``maxsize`` items (0: unbounded); for
+    ``tensormp Pipe``, a pipe (:class:`_PipeFlow`)."""
     if method == "faster-fifo":
         import faster_fifo
 
         return faster_fifo.Queue(max_size_bytes=64 * MiB, maxsize=maxsize or 10**9)
+    if method == "tensormp Pipe":
+        return _PipeFlow()
     return _context(method).Queue(maxsize)
 
 
@@ -917,9 +941,11 @@ class Bench:
         return importlib.util.find_spec("faster_fifo") is not None
 
     def _flows(self, title: str, cases: list[tuple[str, int, int, int, str, int]],
-               methods: list[str], reference: str, targets: dict[str, float | None]) -> None:
+               methods: list[str], reference: str, targets: dict[str, float | None],
+               subject: str = "tensormp") -> None:
         """Run each case (label, producers, consumers, maxsize, payload, batch) for every method,
-        alternating the methods' order repetition by repetition; one row per case."""
+        alternating the methods' order repetition by repetition; one row per case (the ratio:
+        ``subject`` against ``reference``)."""
         reps = 1 if self.quick else 3
         print(f"\n== {title}: items/s (CPU of all workers per item), median of {reps} "
               "alternating repetition(s); fresh spawn processes each time, every item checked ==",
@@ -947,12 +973,13 @@ class Bench:
             text = "  ".join(f"{m} {1 / per[m]:>8,.0f}/s ({cpu_per[m] * 1e6:.1f} us CPU)"
                              if per[m] and cpu_per[m] else f"{m} -" for m in methods)
             print(f"  {label:38s} {text}", flush=True)
-            tm, ref = per.get("tensormp"), per.get(reference)
+            tm, ref = per.get(subject), per.get(reference)
             target = targets.get(label.split(",")[0])
             cells = {m: ("FAILED" if m in failed else _fmt_t(per[m])) for m in methods}
+            cells["tensormp"] = cells[subject]
             self.rows.append(Row(label, cells, tm / ref if tm and ref else None,
                                  f"<= 1x {reference}" if target else "(reference)", target,
-                                 "tensormp" in failed))
+                                 subject in failed))
 
     def bounded(self) -> None:
         methods = ["tensormp", "stdlib"] + (["faster-fifo"] if self.have_fifo() else [])
@@ -981,6 +1008,12 @@ class Bench:
         self._flows("small messages against faster-fifo 1.5.2 (unbounded; batches of 100)",
                     cases, ["tensormp", "faster-fifo"], "faster-fifo",
                     {"1p->1c put/get": 1.0, "1p->1c put_many/get_many": 1.0})
+        # A tensormp Pipe's send/recv against faster-fifo's put/get (it has no pipe).
+        self._flows("a tensormp Pipe (send/recv) against faster-fifo's Queue (put/get)",
+                    [(f"1p->1c Pipe send/recv, {payload}", 1, 1, 0, payload, 1)
+                     for payload in ("64 B", "4 KiB")],
+                    ["tensormp Pipe", "faster-fifo"], "faster-fifo",
+                    {"1p->1c Pipe send/recv": 1.0}, subject="tensormp Pipe")
         if not batch_api:
             print("  (tensormp has no put_many/get_many: batch rows skipped)")
 

@@ -70,6 +70,9 @@ from .memory import fdbudget
 __all__ = ["Connection", "Pipe"]
 
 HEADER = struct.Struct("<BBHIQI")
+_pack_header = HEADER.pack
+_unpack_header = HEADER.unpack_from
+_HEADER_SIZE = HEADER.size
 LARGE = 1
 BAG = 2
 INLINE_MAX = 64 << 10
@@ -89,6 +92,8 @@ _F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
 _F_OFD_SETLKW = getattr(fcntl, "F_OFD_SETLKW", 38)
 _POOL_COUNT = 4  # payload memfds per connection end and process (large messages unread)
 _budget = fdbudget.budget
+_loads = reducers.loads
+_flush_release_records = reducers.flush_release_records
 
 
 class Record:
@@ -226,6 +231,8 @@ class Connection(_mpc.Connection):
 
     if TYPE_CHECKING:  # private attributes of the stdlib's _ConnectionBase (not in typeshed)
         _handle: int
+        _readable: bool
+        _writable: bool
 
         def _check_closed(self) -> None: ...
         def _check_readable(self) -> None: ...
@@ -291,15 +298,35 @@ class Connection(_mpc.Connection):
         n = len(data)
         ntok = len(tokens)
         flags = 0 if block else _MSG_DONTWAIT
-        if n <= INLINE_MAX and ntok + len(fds) <= _MAX_FDS:  # the common case
-            header = HEADER.pack(0, ntok, 0, len(fds), n, slot)
+        if n <= INLINE_MAX:
             try:
-                _fdpass.sendmsg(self._sock, [header, data], [*tokens, *fds] if ntok else fds, flags)
+                if not fds and not ntok:  # a small message: no fds, so no ETOOMANYREFS wait
+                    self._sock.sendmsg((_pack_header(0, 0, 0, 0, n, slot), data), (), flags)
+                elif ntok + len(fds) <= _MAX_FDS:
+                    header = _pack_header(0, ntok, 0, len(fds), n, slot)
+                    _fdpass.sendmsg(self._sock, (header, data), [*tokens, *fds] if ntok else fds, flags)
+                else:
+                    return self._write_large(data, fds, tokens, slot, block)
             except BlockingIOError:
                 return False
             if _hooks:
                 _testhooks.reached("send.sent")
             return True
+        return self._write_large(data, fds, tokens, slot, block)
+
+    def _write_large(
+        self,
+        data: bytes | bytearray | memoryview,
+        fds: Sequence[int],
+        tokens: Sequence[int],
+        slot: int,
+        block: bool,
+    ) -> bool:
+        """:meth:`write_record` of a pickle over ``INLINE_MAX`` or of too many fds for one
+        record (a payload memfd, a bag)."""
+        n = len(data)
+        ntok = len(tokens)
+        flags = 0 if block else _MSG_DONTWAIT
         kind = 0
         payload = -1
         memfd = -1
@@ -324,9 +351,9 @@ class Connection(_mpc.Connection):
                 if _hooks:
                     _testhooks.reached("send.bag")
             record_fds.extend(attach)
-            header = HEADER.pack(kind, ntok, 0, len(fds), n, slot)
+            header = _pack_header(kind, ntok, 0, len(fds), n, slot)
             try:
-                _fdpass.sendmsg(self._sock, [header, data], record_fds, flags)
+                _fdpass.sendmsg(self._sock, (header, data), record_fds, flags)
             except BlockingIOError:
                 return False
         finally:
@@ -373,22 +400,26 @@ class Connection(_mpc.Connection):
         if not data:
             _fdpass.close_all(fds)
             raise EOFError
-        if len(data) < HEADER.size or flags & _MSG_TRUNC:
+        if len(data) < _HEADER_SIZE or flags & _MSG_TRUNC:
             _fdpass.close_all(fds)
             raise OSError(errno.EBADMSG, f"corrupt tensormp record ({len(data)} bytes)")
-        kind, ntok, _, nfds, length, slot = HEADER.unpack_from(data)
+        kind, ntok, _, nfds, length, slot = _unpack_header(data)
         if flags & _MSG_CTRUNC:
             _fdpass.close_all(fds)
             budget.slack = 0  # count again before the next record
             carried = ntok + (1 if kind & LARGE else 0) + (1 if kind & BAG else nfds)
             raise FdLimitError(errno.EMFILE, fdbudget.shortage(carried, len(fds)))
-        tokens = fds[:ntok] if ntok else []
-        rest = fds[ntok:] if ntok else fds
+        if ntok:
+            tokens = fds[:ntok]
+            rest = fds[ntok:]
+        else:
+            tokens = []
+            rest = fds
         if not kind:
             if len(rest) != nfds:
                 _fdpass.close_all(fds)
                 raise OSError(errno.EBADMSG, f"a record announced {nfds} fds but carries {len(rest)}")
-            return Record(data[HEADER.size :], rest, tokens, slot)
+            return Record(data[_HEADER_SIZE:], rest, tokens, slot)
         try:
             if kind & LARGE:
                 if not rest:
@@ -401,7 +432,7 @@ class Connection(_mpc.Connection):
                 if len(body) != length:
                     raise OSError(errno.EBADMSG, f"a payload of {length} bytes holds {len(body)}")
             else:
-                body = data[HEADER.size :]
+                body = data[_HEADER_SIZE:]
             if kind & BAG:  # its fds are installed from the bag now: room for them first
                 budget.taken += nfds
                 if budget.taken >= budget.slack:
@@ -446,14 +477,17 @@ class Connection(_mpc.Connection):
         Pickling happens here, in the caller: an object that cannot be pickled raises
         (``TypeError``/``pickle.PicklingError``) before anything is written.
         """
-        self._check_closed()
-        self._check_writable()
+        if self._handle is None or not self._writable:  # the stdlib's checks, without 2 calls
+            self._check_closed()
+            self._check_writable()
         msg = reducers.dumps(obj)
         try:
-            self.send_message(msg)
+            _flush_release_records()  # holds reach creators before our results do
+            self.write_record(msg.data, msg.fds)
         except BaseException:
             msg.abandon()
             raise
+        msg.sent()
 
     def try_send_message(self, msg: reducers.Message) -> bool:
         """Send ``msg`` only if the socket takes it now without blocking: True when sent, False
@@ -483,10 +517,14 @@ class Connection(_mpc.Connection):
 
     def recv(self) -> Any:
         """Receive an object sent with :meth:`send` (blocks). Raises ``EOFError`` at EOF."""
-        self._check_closed()
-        self._check_readable()
-        data, fds = self.recv_message()
-        obj = reducers.loads(data, fds)
+        if self._handle is None or not self._readable:
+            self._check_closed()
+            self._check_readable()
+        record = self.read_record()
+        assert record is not None
+        if record.tokens:
+            record.close_tokens()
+        obj = _loads(record.data, record.fds)
         if _hooks:
             _testhooks.reached("recv.done")
         return obj
@@ -504,7 +542,8 @@ class Connection(_mpc.Connection):
         record = self.read_record(wait)
         if record is None:
             return None
-        record.close_tokens()
+        if record.tokens:
+            record.close_tokens()
         return record.data, record.fds
 
     def __repr__(self) -> str:

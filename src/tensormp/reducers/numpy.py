@@ -43,14 +43,12 @@ from ..memory.allocator import (
     forget_received,
     note_handle,
 )
-from ..memory.segment import STRATEGY_AT, unpack_wire
-from ..strategies import counting
+from ..memory.segment import unpack_wire
 from . import (
     NDARRAY_EXT,
     current_message,
     current_process_args_parent,
     mark_loaded,
-    note_counted,
     register,
     register_extension,
     take_fd,
@@ -213,10 +211,6 @@ def rebuild_ndarray(
         seg_id, _size, creator_pid, _kind, _code, owner_addr = unpack_wire(wire)
         forget_received(owner_addr, seg_id, block_offset, creator_pid)
         raise
-    if counting:  # the segment's strategy (loaded: the segment is mapped) counts handles
-        strategy = counting.get(wire[STRATEGY_AT])
-        if strategy is not None:
-            note_counted(strategy, fd_ref)  # type: ignore[arg-type]
     a: np.ndarray = np.ndarray(shape, dtype, root, offset, strides)
     if readonly:
         a.flags.writeable = False

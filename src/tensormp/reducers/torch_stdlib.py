@@ -14,7 +14,8 @@ acquire token, and the segment's reference. A memfd rides on the stdlib's own fd
 (``multiprocessing.reduction.DupFd``): a child being started inherits it (one fd per segment
 per child: :class:`_SegmentFd`), any other receiver fetches a dup that the sender's
 ``resource_sharer`` keeps until then, as torch's ``file_descriptor`` strategy does. A named
-segment (``file_system``) crosses by name, counted in flight by the cleanup daemon.
+segment (``file_system``) crosses the same way: its fd is one of the segment's tokens
+(``strategies/file_system.py``), never a bare name.
 
 Who owns the block, who frees it: as for tensormp's own handles (``memory/release.py``,
 ``memory/holds.py``). Pickling counts the handle with the block's creator (``note_handle``: its
@@ -61,8 +62,7 @@ from ..memory.allocator import (
     note_handle,
     process_exiting,
 )
-from ..memory.segment import STRATEGY_AT, Segment, unpack_wire
-from ..strategies import counting
+from ..memory.segment import Segment, unpack_wire
 from . import Message
 from . import torch as _t
 
@@ -123,14 +123,12 @@ def _carrier(seg: Segment, fd: int) -> _SegmentFd:
     return carrier
 
 
-def _reference(seg: Segment) -> _SegmentFd | str:
-    msg = Message()  # the strategy attaches its fd or names its segment, as in a tensormp message
+def _reference(seg: Segment) -> _SegmentFd:
+    msg = Message()  # the strategy attaches its fd (memfd or token), as in a tensormp message
     ref = seg.strategy.reference(msg, seg)
-    if type(ref) is int:
-        return _carrier(seg, msg.fds[ref])
-    for strategy, names in (msg.counted or {}).items():
-        strategy.sent(list(names))  # in flight: the cleanup daemon keeps the file
-    return str(ref)
+    if type(ref) is not int:  # pragma: no cover - every strategy attaches an fd
+        raise HandleError(f"{seg.strategy!r} referred to a segment by {ref!r}, not by an fd")
+    return _carrier(seg, msg.fds[ref])
 
 
 def reduce_storage_stdlib(storage: Any) -> Any:
@@ -170,35 +168,22 @@ reduce_storage_stdlib._tensormp = True  # type: ignore[attr-defined]
 
 
 def _rebuild_storage_stdlib(
-    wire: bytes, ref: _SegmentFd | str, block_offset: int, capacity: int, offset: int,
+    wire: bytes, carrier: _SegmentFd, block_offset: int, capacity: int, offset: int,
     nbytes: int, token: int,
 ) -> Any:
-    carrier = ref if isinstance(ref, _SegmentFd) else None
     try:
-        if carrier is not None:
-            root = memory.attach(wire, carrier.take, 0, block_offset, capacity, token, True)
-        else:
-            root = memory.attach(wire, _no_fd, str(ref), block_offset, capacity, token, True)
+        root = memory.attach(wire, carrier.take, 0, block_offset, capacity, token, True)
     except Exception:
         # Never held here: give the creator its count back (as reducers/numpy.py).
         seg_id, _size, creator_pid, _kind, _code, owner_addr = unpack_wire(wire)
         forget_received(owner_addr, seg_id, block_offset, creator_pid)
         raise
     finally:
-        if carrier is not None:
-            carrier.discard()
-    if carrier is None and counting:
-        strategy = counting.get(wire[STRATEGY_AT])
-        if strategy is not None:
-            strategy.received([str(ref)])  # mapped: no longer in flight
+        carrier.discard()
     _release_at_exit()
     flush_records()  # announce the hold now: a receiver killed later cannot pin the block
     view: np.ndarray = root[offset : offset + nbytes]
     return _t._rebuild_storage(view)
-
-
-def _no_fd(_index: int) -> int:  # pragma: no cover - a named segment is opened by name
-    raise HandleError("a named tensormp segment's handle asked for an fd (corrupt message)")
 
 
 _exit_hook_pid = 0

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "get_all_sharing_strategies", "get_sharing_strategy", "set_sharing_strategy",
-    "current", "by_code", "counting", "add_flusher", "flush_pending",
+    "current", "by_code", "add_flusher", "flush_pending",
     "process_start_time", "process_alive", "program", "set_program",
 ]
 
@@ -76,9 +76,6 @@ _strategy = "file_descriptor"
 _current: Strategy | None = None  # the instance of _strategy, once asked for
 # code -> instance, filled as strategies are loaded (a list: a handle's byte indexes it).
 _by_code: list[Strategy | None] = [None] * 256
-# code -> instance, of the loaded strategies that count handles (``Strategy.counts_handles``):
-# empty in a process that never met one, so a rebuild checks it for free.
-counting: dict[int, Strategy] = {}
 
 
 def _load(name: str) -> Strategy:
@@ -89,8 +86,6 @@ def _load(name: str) -> Strategy:
         if strategy.code != code or strategy.name != name:  # pragma: no cover - a table typo
             raise ImportError(f"{module}.{cls} does not match its line in the strategy table")
         _by_code[code] = strategy
-        if strategy.counts_handles:
-            counting[code] = strategy
     return strategy
 
 

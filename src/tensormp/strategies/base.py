@@ -15,7 +15,7 @@ subclass of :class:`Strategy` plus one line in the table of ``strategies/__init_
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
@@ -36,14 +36,11 @@ class Strategy(ABC):
         code: the byte naming this strategy in every handle (unique in the table).
         keeps_fd: a process keeps the fd of each segment it maps (else it maps the segment and
             closes the fd at once, and handles carry a name).
-        counts_handles: :meth:`sent` and :meth:`received` want to know about every message
-            that carries a handle to one of this strategy's segments.
     """
 
     name: ClassVar[str]
     code: ClassVar[int]
     keeps_fd: ClassVar[bool] = True
-    counts_handles: ClassVar[bool] = False
 
     @abstractmethod
     def create(self, size: int, kind: str) -> Segment:
@@ -83,13 +80,6 @@ class Strategy(ABC):
 
     def unmapped(self, seg: Segment) -> None:  # noqa: B027
         """``seg`` was unmapped in this process (any process, creator or not)."""
-
-    def sent(self, refs: Iterable[str]) -> None:  # noqa: B027
-        """(``counts_handles``) one message carrying each of ``refs`` is about to leave."""
-
-    def received(self, refs: Iterable[str]) -> None:  # noqa: B027
-        """(``counts_handles``) one message carrying ``refs`` was rebuilt here (or will never
-        be sent after all)."""
 
     def __repr__(self) -> str:
         return f"<sharing strategy {self.name}>"

@@ -35,9 +35,8 @@ a long one while a worker idles (the stdlib and loky never let it):
 
 * an idle worker is served first; a busy one gets a queued task only while more tasks wait
   than there are workers, and not while it runs a task it gave tasks back behind (below);
-* only *queueable* tasks wait behind a running one: small, no fds, no blocks of ours, no
-  counted names (``_queueable``): what carries shared memory waits here for an idle worker,
-  pickled already;
+* only *queueable* tasks wait behind a running one: small, no fds, no blocks of ours
+  (``_queueable``): what carries shared memory waits here for an idle worker, pickled already;
 * *give-back*: when a worker idles with nothing pending while another's running task has run
   ``_STEAL_AFTER`` with tasks queued behind it, the manager asks that worker (its eventfd) for
   every task it has not started, sends it nothing until it answers ``(_RETURNED, n)``, and puts
@@ -826,7 +825,7 @@ class _Engine(QueueEngine):
                         fn_msg = reducers.dumps(t.fn.wire)
                     except Exception:  # noqa: BLE001 - pickled with its task, below
                         fn_msg = None
-                    if fn_msg is not None and not (fn_msg.fds or fn_msg.noted or fn_msg.counted):
+                    if fn_msg is not None and not (fn_msg.fds or fn_msg.noted):
                         i = index[id(t.fn)] = len(fns)
                         fns.append(fn_msg.data)
                     elif fn_msg is not None:
@@ -916,8 +915,8 @@ class _Engine(QueueEngine):
 
 def _queueable(msg: reducers.Message) -> bool:
     """Whether a task may wait in a worker's channel behind a running one: small, and nothing
-    to give back if it is taken back unread (no fds, no blocks of ours, no counted names)."""
-    return not (msg.fds or msg.noted or msg.counted) and len(msg.data) <= _PREFETCH_MAX_BYTES
+    to give back if it is taken back unread (no fds, no blocks of ours)."""
+    return not (msg.fds or msg.noted) and len(msg.data) <= _PREFETCH_MAX_BYTES
 
 
 def _exit_text(code: int) -> str:
