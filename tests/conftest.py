@@ -66,16 +66,17 @@ def _fds() -> dict[int, str]:
 def _shm_names() -> set[str]:
     """tensormp files in /dev/shm that belong to this test program (other programs of the
     machine, such as a second test run, may create theirs meanwhile)."""
-    from tensormp.strategies import file_system
+    from tensormp.strategies import names as naming
+    from tensormp.strategies import program
 
-    mine = file_system.program()
+    mine = program()
     try:
         names = [n for n in os.listdir("/dev/shm") if "tensormp" in n]
     except OSError:
         return set()
     out = set()
     for n in names:
-        info = file_system.parse_name(n)
+        info = naming.parse_name(n)
         if info is None or info.program == mine:
             out.add(n)
     return out

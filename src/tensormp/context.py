@@ -131,7 +131,9 @@ class _ProcessMixin:
         return _rebuild_process, (type(self), msg.data, fds, os.getpid(), settings)
 
     def start(self) -> None:
-        _parent_death.before_start(self)
+        # tensormp.Process (no method of its own): the default context decides at start().
+        method = getattr(self, "_start_method", None) or get_context().get_start_method()
+        _parent_death.before_start(self, method)
         try:
             super().start()  # type: ignore[misc]
             noted = self.__dict__.get("_tensormp_noted")

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from ..errors import FdLimitError, HandleError, SharedMemoryError
 from ..memory.segment import Segment, available_memory, format_bytes
 from .base import Strategy, TakeFd
+from .names import memfd_name
 
 if TYPE_CHECKING:
     from ..reducers import Message
@@ -45,7 +46,7 @@ class FileDescriptor(Strategy):
             )
         seg_id = os.urandom(16)
         try:
-            fd = os.memfd_create(f"tensormp-{os.getpid()}-{seg_id.hex()}", os.MFD_CLOEXEC)
+            fd = os.memfd_create(memfd_name(seg_id), os.MFD_CLOEXEC)
         except OSError as e:
             if e.errno in (errno.EMFILE, errno.ENFILE):
                 raise FdLimitError(
