@@ -13,15 +13,11 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import TYPE_CHECKING
 
 from ..errors import FdLimitError, HandleError, SharedMemoryError
 from ..memory.segment import Segment, available_memory, format_bytes
-from .base import Strategy, TakeFd
+from .base import FdList, Strategy, TakeFd
 from .names import memfd_name
-
-if TYPE_CHECKING:
-    from ..reducers import Message
 
 __all__ = ["FileDescriptor"]
 
@@ -81,7 +77,7 @@ class FileDescriptor(Strategy):
             ) from None
         return seg
 
-    def reference(self, msg: Message, seg: Segment) -> int | str:
+    def reference(self, msg: FdList, seg: Segment) -> int | str:
         return msg.add_fd(seg.fd, seg.id, seg)
 
     def attach(

@@ -45,16 +45,13 @@ import os
 import stat
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import FdLimitError, HandleError, SharedMemoryError
 from ..memory.segment import Segment, available_memory, format_bytes
-from .base import Strategy, TakeFd
+from .base import FdList, Strategy, TakeFd
 from .names import F_OFD_SETLK, TOKEN_LOCK, new_name, parse_name, shm_dir, unlink
 from .names import path as _path
-
-if TYPE_CHECKING:
-    from ..reducers import Message
 
 __all__ = ["create", "open_named", "FileSystem"]
 
@@ -274,7 +271,7 @@ class FileSystem(Strategy):
         seg.populate()
         return seg
 
-    def reference(self, msg: Message, seg: Segment) -> int | str:
+    def reference(self, msg: FdList, seg: Segment) -> int | str:
         token = _token_for(seg)
         return msg.add_fd(token.fd, seg.id, token)
 
