@@ -1,4 +1,5 @@
-"""Shared fixtures: every test is checked for leaked fds, memfds, shm files and processes."""
+"""Shared fixtures: every test is checked for leaked fds, memfds, shm files and processes
+(helpers that tests import are in ``helpers.py``)."""
 
 from __future__ import annotations
 
@@ -7,20 +8,18 @@ import multiprocessing
 import os
 import re
 import sys
-import time
 
 import psutil
 import pytest
 
 import tensormp
+from helpers import wait_for
 from tensormp.strategies import _client
 
 # Preload in the fork server so forkserver children start fast: a child imports the test module
-# of its target, and with it pytest, psutil and this file (0.5 s a child on 2 busy cores);
+# of its target, and with it pytest, psutil and helpers.py (0.5 s a child on 2 busy cores);
 # preloaded, only the test module's own code is left.
-multiprocessing.set_forkserver_preload(["numpy", "tensormp", "pytest", "psutil", "conftest"])
-START_METHODS = ["spawn", "fork", "forkserver"]
-STRATEGIES = ["file_descriptor", "file_system"]
+multiprocessing.set_forkserver_preload(["numpy", "tensormp", "pytest", "psutil", "helpers"])
 
 # Child processes of tests print every ResourceWarning (a resource left to the garbage
 # collector: an unclosed socket, file...), and a test whose captured output shows one fails
@@ -126,16 +125,6 @@ def _freeze_imports() -> None:
         _modules_frozen = len(sys.modules)
 
 
-def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
-    """Poll ``predicate`` until true or ``timeout`` seconds pass; returns its last value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval)
-
-
 @pytest.fixture(autouse=True)
 def no_leaks():
     """Fail the test if it leaves fds, tensormp memfds, /dev/shm files or child processes."""
@@ -185,26 +174,3 @@ def no_leaks():
     wait_for(shm_back, 5.0, 0.05)
     assert _shm_names() <= before_shm, f"/dev/shm files leaked: {_shm_names() - before_shm}"
 
-
-def read_json_lines(proc, n: int, timeout: float = 60.0) -> list:
-    """Up to ``n`` JSON lines from ``proc.stdout`` within ``timeout`` seconds (fewer at EOF or
-    timeout). Reads the raw fd: select() cannot see lines that a buffered readline() already
-    pulled in, so two lines arriving together would otherwise hang."""
-    import json
-    import select
-
-    out: list = []
-    fd = proc.stdout.fileno()
-    pending = b""
-    deadline = time.monotonic() + timeout
-    while True:
-        while b"\n" in pending and len(out) < n:
-            line, pending = pending.split(b"\n", 1)
-            out.append(json.loads(line))
-        if len(out) >= n:
-            return out
-        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-        chunk = os.read(fd, 65536) if ready else b""
-        if not chunk:
-            return out
-        pending += chunk

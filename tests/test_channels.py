@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 import tensormp as mp
-from conftest import STRATEGIES, wait_for
+from helpers import STRATEGIES, wait_for
 from tensormp import _testhooks
 from tensormp.connection import INLINE_MAX, Connection
 from tensormp.queues import Queue

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 import tensormp as mp
-from conftest import START_METHODS
+from helpers import START_METHODS
 
 # -- the start method --------------------------------------------------------------------------
 

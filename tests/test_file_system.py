@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import tensormp as mp
-from conftest import wait_for
+from helpers import wait_for
 from tensormp.errors import HandleError, SharedMemoryError, TensormpError
 from tensormp.memory.allocator import find_block
 from tensormp.strategies import _client, _daemon, program

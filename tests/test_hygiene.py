@@ -21,7 +21,7 @@ import time
 import psutil
 import pytest
 
-from conftest import START_METHODS, read_json_lines, wait_for
+from helpers import START_METHODS, read_json_lines, wait_for
 from tensormp import _parent_death
 
 PRELUDE = r"""
