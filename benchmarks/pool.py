@@ -276,10 +276,22 @@ def bench_arrays(args: Any, summary: list[tuple[str, str, float, str, bool]]) ->
 
 
 # -- start-up -----------------------------------------------------------------------------------
+def _cpu_seconds() -> float:
+    """CPU time of this process and its waited-for children (the ones joined so far)."""
+    import resource
+
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    return total
+
+
 def _driver(lib: str, what: str, n: int) -> None:
-    """``pool.py --driver LIB WHAT N``: time N start-ups, print the seconds of each."""
+    """``pool.py --driver LIB WHAT N``: time N start-ups, print ``wall,cpu`` seconds of each."""
     out = []
     for _ in range(n):
+        c0 = _cpu_seconds()
         t0 = time.perf_counter()
         if lib == "tensormp" and what == "spawn":
             tensormp.spawn(trivial, nprocs=2)
@@ -291,8 +303,8 @@ def _driver(lib: str, what: str, n: int) -> None:
             for p in ps:
                 p.join()
             assert all(p.exitcode == 0 for p in ps)
-        out.append(time.perf_counter() - t0)
-    print(" ".join(f"{x:.6f}" for x in out))
+        out.append(f"{time.perf_counter() - t0:.6f},{_cpu_seconds() - c0:.6f}")
+    print(" ".join(out))
 
 
 def bench_startup(args: Any, summary: list[tuple[str, str, float, str, bool]]) -> None:
@@ -307,16 +319,23 @@ def bench_startup(args: Any, summary: list[tuple[str, str, float, str, bool]]) -
             ("process", "Process.start() + join()")]
     for what, title in rows:
         times: dict[str, list[float]] = {"std": [], "tensormp": []}
+        cpu: dict[str, list[float]] = {"std": [], "tensormp": []}
         for r in range(rounds):
             for lib in (("std", "tensormp") if r % 2 == 0 else ("tensormp", "std")):
                 out = subprocess.run(
                     [sys.executable, os.path.abspath(__file__), "--driver", lib, what, "3"],
                     check=True, capture_output=True, text=True,
                 ).stdout
-                times[lib] += [float(x) for x in out.split()]
+                for pair in out.split():
+                    wall, spent = pair.split(",")
+                    times[lib].append(float(wall))
+                    cpu[lib].append(float(spent))
         std, ours = statistics.median(times["std"]), statistics.median(times["tensormp"])
+        std_cpu, our_cpu = statistics.median(cpu["std"]), statistics.median(cpu["tensormp"])
+        # CPU time (parent and children) moves far less than wall time on a busy machine.
         print(f"  {title:58s} stdlib {std * 1e3:7.1f} ms  tensormp {ours * 1e3:7.1f} ms  "
-              f"{ours / std:.2f}x")
+              f"{ours / std:.2f}x  (CPU {std_cpu * 1e3:.1f} / {our_cpu * 1e3:.1f} ms, "
+              f"{our_cpu / std_cpu:.2f}x)")
         summary.append((f"start-up: {title}", "tensormp / stdlib", ours / std, "<= 1.2",
                         ours / std <= 1.2))
 

@@ -216,6 +216,8 @@ _NOT_IN_A_CHILD = (
     "tensormp.pool", "tensormp.futures", "tensormp.connection", "tensormp.queues",
     "tensormp.strategies.file_system", "numpy", "dataclasses",
 )
+# ... and a Process child whose arguments carry no array, nothing of the reducers either.
+_NOT_IN_A_PROCESS_CHILD = ("tensormp.reducers", "tensormp.memory", "tensormp.memory.release")
 
 
 @pytest.mark.timeout(60)
@@ -231,9 +233,50 @@ def test_a_child_of_a_trivial_function_imports_only_what_it_runs(tmp_path):
     process_child = set(json.loads(Path(f"{out}.0").read_text()))
     rank = set(json.loads(Path(f"{out}.1").read_text()))
     assert "tensormp.context" in process_child and "tensormp._spawn_rank" in rank
-    for loaded, who in ((process_child, "a Process child"), (rank, "a spawn() rank")):
-        heavy = sorted(m for m in _NOT_IN_A_CHILD if m in loaded)
+    for loaded, who, avoid in ((process_child, "a Process child", _NOT_IN_A_PROCESS_CHILD),
+                               (rank, "a spawn() rank", ())):
+        heavy = sorted(m for m in _NOT_IN_A_CHILD + avoid if m in loaded)
         assert not heavy, f"{who} of a trivial function imported {heavy}"
+
+
+_NUMPY_SCRIPT = """
+import sys
+import numpy as np
+import tensormp
+
+def report(path, array=None):
+    with open(path, "w") as f:
+        f.write(" ".join(sorted(sys.modules)))
+    assert array is None or array.sum() == 3
+
+if __name__ == "__main__":
+    ctx = tensormp.get_context("spawn")
+    for args in ((sys.argv[1] + ".plain",), (sys.argv[1] + ".array", np.ones(3))):
+        p = ctx.Process(target=report, args=args)
+        p.start(); p.join(); assert p.exitcode == 0
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_child_whose_program_imports_an_array_library_has_its_support_before_the_target(
+    tmp_path,
+):
+    """Arguments without arrays skip tensormp's reducers in the child, but a child whose main
+    module imported numpy (or torch) loads tensormp's support for it before the target runs,
+    as when its arguments carry arrays."""
+    script = tmp_path / "numpy_child.py"
+    script.write_text(_NUMPY_SCRIPT)
+    out = tmp_path / "modules"
+    subprocess.run([sys.executable, str(script), str(out)], check=True, timeout=50)
+    for case in ("plain", "array"):
+        loaded = Path(f"{out}.{case}").read_text().split()
+        assert "tensormp.reducers.numpy" in loaded, case
+
+
+def test_the_process_child_knows_the_array_libraries_of_the_reducer_table():
+    from tensormp import context, reducers
+
+    assert set(context._ARRAY_LIBRARIES) == {lib.module for lib in reducers.LIBRARIES}
 
 
 def test_spawn_stays_the_function_when_its_module_loads_first():
