@@ -297,7 +297,8 @@ def _driver(lib: str, what: str, n: int) -> None:
             tensormp.spawn(trivial, nprocs=2)
         else:
             ctx = (tensormp if lib == "tensormp" else multiprocessing).get_context("spawn")
-            ps = [ctx.Process(target=trivial, args=(i,)) for i in range(1 if what == "process" else 2)]
+            count = 1 if what == "process" else 2
+            ps = [ctx.Process(target=trivial, args=(i,)) for i in range(count)]
             for p in ps:
                 p.start()
             for p in ps:

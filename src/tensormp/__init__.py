@@ -64,12 +64,13 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers
 
 _STDLIB_NAMES = [name for name in _mp.__all__ if name != "get_context"]
 
-# Every name but the base exceptions (errors.py) is loaded on first use (PEP 562), so that a child imports only
-# what it uses: a spawn child re-imports the main module, and so tensormp, before it runs
-# anything. A Process child loads tensormp.context (its Process class) and nothing of tensormp's
-# Connection (and the stdlib's multiprocessing.connection, tempfile, shutil...), of numpy
-# (~130 ms), of the pools, of spawn()'s parent side (a rank loads _spawn_rank alone). The stdlib
-# names (Process, Queue, Pool...) are the default context's, as in multiprocessing.
+# Every name but the base exceptions (errors.py) is loaded on first use (PEP 562), so that a
+# child imports only what it uses: a spawn child re-imports the main module, and so tensormp,
+# before it runs anything. A Process child loads tensormp.context (its Process class) and
+# nothing of tensormp's Connection (and the stdlib's multiprocessing.connection, tempfile,
+# shutil...), of numpy (~130 ms), of the pools, of spawn()'s parent side (a rank loads
+# _spawn_rank alone). The stdlib names (Process, Queue, Pool...) are the default context's, as
+# in multiprocessing.
 _LAZY = {
     "spawn": "spawn", "start_processes": "spawn", "ProcessContext": "spawn",
     "SpawnContext": "spawn", "ProcessException": "spawn", "ProcessRaisedException": "spawn",

@@ -47,7 +47,8 @@ if TYPE_CHECKING:
     import numpy as np
 
 __all__ = [
-    "Segment", "Maker", "format_bytes", "available_memory", "WIRE_SIZE", "STRATEGY_AT", "unpack_wire",
+    "Segment", "Maker", "format_bytes", "available_memory", "WIRE_SIZE", "STRATEGY_AT",
+    "unpack_wire",
 ]
 
 PAGE_SIZE = mmap.PAGESIZE
