@@ -296,3 +296,15 @@ def test_spawn_stays_the_function_when_its_module_loads_first():
         "assert 'spawn' in dir(tensormp) and 'spawn' in tensormp.__all__\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+
+
+def test_a_function_pickled_by_value_may_use_the_package():
+    """The package's module object is a subclass (above); cloudpickle, which knows modules by
+    their exact type, still pickles a reference to it by name (a lambda sent to a pool or to
+    ``spawn()`` that calls ``mp.share``...)."""
+    import cloudpickle
+
+    uses_the_package = lambda a: mp.is_shared(a)  # noqa: E731 - a lambda goes by value
+    back = cloudpickle.loads(cloudpickle.dumps(uses_the_package))
+    assert back.__globals__["mp"] is mp
+    assert pickle.loads(pickle.dumps(mp)) is mp

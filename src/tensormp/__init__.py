@@ -133,6 +133,13 @@ class _Package(_ModuleType):
             value = getattr(value, name)
         super().__setattr__(name, value)
 
+    def __reduce__(self) -> tuple[_Any, ...]:
+        # By name, as cloudpickle pickles a module (its table knows the exact ModuleType only):
+        # a function pickled by value that uses ``tensormp.`` refers to the package so.
+        import importlib
+
+        return importlib.import_module, (self.__name__,)
+
 
 _SHADOWED = frozenset(name for name, module in _LAZY.items() if name == module)
 sys.modules[__name__].__class__ = _Package
