@@ -1,4 +1,5 @@
-"""Shared fixtures: every test is checked for leaked fds, memfds, shm files and processes."""
+"""Shared fixtures: every test is checked for leaked fds, memfds, shm files and processes
+(helpers that tests import are in ``helpers.py``)."""
 
 from __future__ import annotations
 
@@ -7,20 +8,18 @@ import multiprocessing
 import os
 import re
 import sys
-import time
 
 import psutil
 import pytest
 
 import tensormp
+from helpers import wait_for
 from tensormp.strategies import _client
 
 # Preload in the fork server so forkserver children start fast: a child imports the test module
-# of its target, and with it pytest, psutil and this file (0.5 s a child on 2 busy cores);
+# of its target, and with it pytest, psutil and helpers.py (0.5 s a child on 2 busy cores);
 # preloaded, only the test module's own code is left.
-multiprocessing.set_forkserver_preload(["numpy", "tensormp", "pytest", "psutil", "conftest"])
-START_METHODS = ["spawn", "fork", "forkserver"]
-STRATEGIES = ["file_descriptor", "file_system"]
+multiprocessing.set_forkserver_preload(["numpy", "tensormp", "pytest", "psutil", "helpers"])
 
 # Child processes of tests print every ResourceWarning (a resource left to the garbage
 # collector: an unclosed socket, file...), and a test whose captured output shows one fails
@@ -66,16 +65,17 @@ def _fds() -> dict[int, str]:
 def _shm_names() -> set[str]:
     """tensormp files in /dev/shm that belong to this test program (other programs of the
     machine, such as a second test run, may create theirs meanwhile)."""
-    from tensormp.strategies import file_system
+    from tensormp.strategies import names as naming
+    from tensormp.strategies import program
 
-    mine = file_system.program()
+    mine = program()
     try:
         names = [n for n in os.listdir("/dev/shm") if "tensormp" in n]
     except OSError:
         return set()
     out = set()
     for n in names:
-        info = file_system.parse_name(n)
+        info = naming.parse_name(n)
         if info is None or info.program == mine:
             out.add(n)
     return out
@@ -123,16 +123,6 @@ def _freeze_imports() -> None:
         gc.collect()
         gc.freeze()
         _modules_frozen = len(sys.modules)
-
-
-def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
-    """Poll ``predicate`` until true or ``timeout`` seconds pass; returns its last value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval)
 
 
 @pytest.fixture(autouse=True)
@@ -184,26 +174,3 @@ def no_leaks():
     wait_for(shm_back, 5.0, 0.05)
     assert _shm_names() <= before_shm, f"/dev/shm files leaked: {_shm_names() - before_shm}"
 
-
-def read_json_lines(proc, n: int, timeout: float = 60.0) -> list:
-    """Up to ``n`` JSON lines from ``proc.stdout`` within ``timeout`` seconds (fewer at EOF or
-    timeout). Reads the raw fd: select() cannot see lines that a buffered readline() already
-    pulled in, so two lines arriving together would otherwise hang."""
-    import json
-    import select
-
-    out: list = []
-    fd = proc.stdout.fileno()
-    pending = b""
-    deadline = time.monotonic() + timeout
-    while True:
-        while b"\n" in pending and len(out) < n:
-            line, pending = pending.split(b"\n", 1)
-            out.append(json.loads(line))
-        if len(out) >= n:
-            return out
-        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-        chunk = os.read(fd, 65536) if ready else b""
-        if not chunk:
-            return out
-        pending += chunk

@@ -29,11 +29,11 @@ import numpy as np
 import pytest
 
 import tensormp as mp
-from conftest import STRATEGIES, wait_for
+from helpers import STRATEGIES, wait_for
 from tensormp import _testhooks
 from tensormp.connection import INLINE_MAX, Connection
 from tensormp.queues import Queue
-from tensormp.strategies import file_system as fs
+from tensormp.strategies import names as naming
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -614,7 +614,7 @@ def test_loaded_soak_of_issue_27(strategy):
         assert 0 < res["peak_total_mib"] <= res["bound_mib"], res
         if strategy == "file_system":
             prog = tuple(res["program"])
-            assert wait_for(lambda p=prog: not [f for f in fs.list_segment_files() if f.program == p],
+            assert wait_for(lambda p=prog: not [f for f in naming.list_segment_files() if f.program == p],
                             10.0), "files left after the program exited"
 
 

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from conftest import wait_for
+from helpers import wait_for
 from tensormp import cli
 from tensormp.strategies import _client, _daemon
 

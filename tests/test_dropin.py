@@ -17,7 +17,7 @@ import sys
 import pytest
 
 import tensormp as mp
-from conftest import START_METHODS
+from helpers import START_METHODS
 
 # -- the start method --------------------------------------------------------------------------
 
@@ -231,12 +231,12 @@ def test_non_leaf_refusal_uses_torchs_term():
 
 def test_file_system_segments_stay_cached_until_empty_cache():
     from tensormp.memory.allocator import find_block
-    from tensormp.strategies import file_system as fs
+    from tensormp.strategies import names as naming
 
     mp.set_sharing_strategy("file_system")
     try:
         a = mp.zeros(300_000)  # 2.3 MiB: a segment of its own
-        path = os.path.join(fs.shm_dir(), find_block(a)[0].segment.name)
+        path = os.path.join(naming.shm_dir(), find_block(a)[0].segment.name)
         del a
         assert os.path.exists(path)  # kept for reuse while this process lives (torch unlinks)
         assert mp.memory_stats()["cached_bytes"] >= 300_000 * 8
@@ -246,7 +246,7 @@ def test_file_system_segments_stay_cached_until_empty_cache():
         mp.set_cache_limit(0)  # or cache nothing at all
         try:
             b = mp.zeros(300_000)
-            path = os.path.join(fs.shm_dir(), find_block(b)[0].segment.name)
+            path = os.path.join(naming.shm_dir(), find_block(b)[0].segment.name)
             del b
             assert not os.path.exists(path)
         finally:

@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 
 import tensormp as mp
-from conftest import wait_for
+from helpers import wait_for
 from tensormp.errors import HandleError, SharedMemoryError, TensormpError
 from tensormp.memory.allocator import find_block
-from tensormp.strategies import _client, _daemon
-from tensormp.strategies import file_system as fs
+from tensormp.strategies import _client, _daemon, program
+from tensormp.strategies import names as naming
 
 pytestmark = pytest.mark.timeout(90)
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -93,17 +93,17 @@ def test_segment_files_are_private_named_and_hold_no_fd(file_system):
     small = mp.zeros(10)
     for a in [*arrays, small]:
         name = name_of(a)
-        info = fs.parse_name(name)
+        info = naming.parse_name(name)
         assert info is not None and info.uid == os.getuid()
-        assert info.creator[0] == os.getpid() and info.program == fs.program()
-        st = os.stat(os.path.join(fs.shm_dir(), name))
+        assert info.creator[0] == os.getpid() and info.program == program()
+        st = os.stat(os.path.join(naming.shm_dir(), name))
         assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_blocks * 512 >= st.st_size
     assert len({name_of(a) for a in arrays}) == 3
     assert mp.memory_stats()["fds"] == before  # mapped, fd closed
     names = [name_of(a) for a in arrays]
     del arrays, a
     mp.empty_cache()
-    assert not any(os.path.exists(os.path.join(fs.shm_dir(), n)) for n in names)
+    assert not any(os.path.exists(os.path.join(naming.shm_dir(), n)) for n in names)
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
@@ -118,7 +118,7 @@ def test_strategy_applies_in_children(file_system, method):
     p.join(30)
     assert strategy == "file_system"  # torch drops it under spawn and forkserver
     assert (a == 1).all() and (b == 7).all()
-    assert fs.parse_name(name_of(b)).creator[0] == p.pid
+    assert naming.parse_name(name_of(b)).creator[0] == p.pid
 
 
 def test_each_strategy_rebuilds_the_other():
@@ -144,13 +144,13 @@ def test_kill_consumer_then_creator_exit(file_system):
     producer.start()
     producer.join(60)
     assert ready.get(timeout=60) == 300_000 * 3.0
-    names = _names(Path(fs.shm_dir())) & _created_by(producer.pid)
+    names = _names(Path(naming.shm_dir())) & _created_by(producer.pid)
     assert names  # the producer is gone, the consumer maps its segment: still there
     time.sleep(1.5)
-    assert names <= _names(Path(fs.shm_dir()))
+    assert names <= _names(Path(naming.shm_dir()))
     os.kill(consumer.pid, signal.SIGKILL)
     consumer.join(30)
-    assert wait_for(lambda: not (names & _names(Path(fs.shm_dir()))), 10.0)
+    assert wait_for(lambda: not (names & _names(Path(naming.shm_dir()))), 10.0)
 
 
 def _produce_one(q):
@@ -160,7 +160,7 @@ def _produce_one(q):
 
 
 def _created_by(pid: int) -> set[str]:
-    return {n for n in _names(Path(fs.shm_dir())) if fs.parse_name(n).creator[0] == pid}
+    return {n for n in _names(Path(naming.shm_dir())) if naming.parse_name(n).creator[0] == pid}
 
 
 def _start_program(shm_dir: Path) -> tuple[subprocess.Popen, dict]:
@@ -346,12 +346,12 @@ def test_a_removed_file_still_arrives_and_cannot_be_sent_again(file_system):
     p.start()
     a = mp.full(300_000, 7.0)
     q.put(a)
-    os.unlink(os.path.join(fs.shm_dir(), name_of(a)))  # as if removed by hand
+    os.unlink(os.path.join(naming.shm_dir(), name_of(a)))  # as if removed by hand
     assert out.get(timeout=60) == 7.0
     p.join(30)
     assert p.exitcode == 0
     b = mp.zeros(300_000)
-    os.unlink(os.path.join(fs.shm_dir(), name_of(b)))
+    os.unlink(os.path.join(naming.shm_dir(), name_of(b)))
     with pytest.raises(HandleError, match="no longer exists.*a.copy()"):
         q.put(b)
     del a, b

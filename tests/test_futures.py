@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import tensormp as mp
-from conftest import wait_for
+from helpers import wait_for
 from tensormp.futures import BrokenExecutorError, ProcessPoolExecutor, TerminatedWorkerError
 
 # The start method of every test but the arrays' (spawn too): forkserver is as strict as spawn

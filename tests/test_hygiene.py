@@ -21,7 +21,7 @@ import time
 import psutil
 import pytest
 
-from conftest import START_METHODS, read_json_lines, wait_for
+from helpers import START_METHODS, read_json_lines, wait_for
 from tensormp import _parent_death
 
 PRELUDE = r"""
@@ -298,9 +298,9 @@ def test_pdeathsig_only_from_the_main_thread():
     import tensormp as mp
 
     p = mp.get_context("spawn").Process(target=print)
-    _parent_death.before_start(p)
+    _parent_death.before_start(p, "spawn")
     assert p._tensormp_main_thread is True
-    t = threading.Thread(target=_parent_death.before_start, args=(p,))
+    t = threading.Thread(target=_parent_death.before_start, args=(p, "spawn"))
     t.start()
     t.join()
     assert p._tensormp_main_thread is False

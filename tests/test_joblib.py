@@ -16,7 +16,7 @@ from joblib.externals.loky.process_executor import (
 
 import tensormp
 import tensormp.joblib  # registers the backend
-from conftest import wait_for
+from helpers import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 

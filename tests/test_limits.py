@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_for
+from helpers import wait_for
 
 SCRIPTS = Path(__file__).parent / "scripts"
 IS_ROOT = os.geteuid() == 0

@@ -27,7 +27,7 @@ import pytest
 from numpy.lib.stride_tricks import sliding_window_view
 
 import tensormp as mp
-from conftest import START_METHODS
+from helpers import START_METHODS
 
 
 # -- read-only inputs --------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import tensormp as mp
-from conftest import START_METHODS, wait_for
+from helpers import START_METHODS, wait_for
 from tensormp.pool import BrokenPoolError, Pool, WorkerLostError
 
 # The one start method of every test but the transfer matrix: forkserver is as strict as spawn

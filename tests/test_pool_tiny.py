@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import tensormp as mp
-from conftest import wait_for
+from helpers import wait_for
 from tensormp.pool import WorkerLostError
 
 

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 import tensormp as mp
-from conftest import START_METHODS, read_json_lines, wait_for
+from helpers import START_METHODS, read_json_lines, wait_for
 from tensormp import _spawn_rank
 from tensormp import _spawn_report as wire
 

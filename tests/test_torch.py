@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import tensormp as mp
-from conftest import START_METHODS
+from helpers import START_METHODS
 
 torch = pytest.importorskip("torch")
 from tensormp.reducers import torch as rt  # noqa: E402

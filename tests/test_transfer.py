@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import tensormp as mp
-from conftest import START_METHODS, STRATEGIES, wait_for
+from helpers import START_METHODS, STRATEGIES, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -372,7 +372,7 @@ def _consume_and_ack(q, acks, n):
 
 
 def _stats_after(predicate, timeout=10.0):
-    from conftest import wait_for
+    from helpers import wait_for
 
     wait_for(lambda: predicate(mp.memory_stats()), timeout)
     return mp.memory_stats()

@@ -20,35 +20,62 @@ if not sys.platform.startswith("linux"):  # pragma: no cover - platform gate
         )
 
 import multiprocessing as _mp
+from types import ModuleType as _ModuleType
+from typing import TYPE_CHECKING
 from typing import Any as _Any
 
 from .errors import FdLimitError, HandleError, SharedMemoryError, TensormpError
 
-# Imported here, not on first use: the import system binds a submodule as an attribute of its
-# package when it is first loaded, so a later `import tensormp.spawn` (by any module) would
-# turn `tensormp.spawn`, the function, into the module. spawn.py imports nothing heavy.
-from .spawn import (
-    ProcessContext,
-    ProcessException,
-    ProcessExitedException,
-    ProcessFailure,
-    ProcessRaisedException,
-    ProcessTimeoutError,
-    SpawnBootstrapError,
-    SpawnContext,
-    spawn,
-    start_processes,
-)
+if TYPE_CHECKING:  # what the lazy names below are, for type checkers
+    from .arrays import (
+        empty,
+        empty_like,
+        full,
+        full_like,
+        is_shared,
+        ones,
+        ones_like,
+        share,
+        zeros,
+        zeros_like,
+    )
+    from .connection import Connection
+    from .context import get_context
+    from .futures import BrokenExecutorError, ProcessPoolExecutor, TerminatedWorkerError
+    from .memory import empty_cache, get_cache_limit, memory_stats, set_cache_limit
+    from .pool import BrokenPoolError, WorkerLostError
+    from .spawn import (
+        ProcessContext,
+        ProcessException,
+        ProcessExitedException,
+        ProcessFailure,
+        ProcessRaisedException,
+        ProcessTimeoutError,
+        SpawnBootstrapError,
+        SpawnContext,
+        spawn,
+        start_processes,
+    )
+    from .strategies import (
+        get_all_sharing_strategies,
+        get_sharing_strategy,
+        set_sharing_strategy,
+    )
 
 _STDLIB_NAMES = [name for name in _mp.__all__ if name != "get_context"]
 
-# Every other name is loaded on first use (PEP 562), so that a child imports only what it
-# uses: a spawn child re-imports the main module, and so tensormp, before it runs anything.
-# A Process child loads tensormp.context (its Process class) and nothing of tensormp's
-# Connection (and the stdlib's multiprocessing.connection, tempfile, shutil...), of numpy
-# (~130 ms), of the pools. The stdlib names (Process, Queue, Pool...) are the default
-# context's, as in multiprocessing.
+# Every name but the base exceptions (errors.py) is loaded on first use (PEP 562), so that a
+# child imports only what it uses: a spawn child re-imports the main module, and so tensormp,
+# before it runs anything. A Process child loads tensormp.context (its Process class) and
+# nothing of tensormp's Connection (and the stdlib's multiprocessing.connection, tempfile,
+# shutil...), of numpy (~130 ms), of the pools, of spawn()'s parent side (a rank loads
+# _spawn_rank alone). The stdlib names (Process, Queue, Pool...) are the default context's, as
+# in multiprocessing.
 _LAZY = {
+    "spawn": "spawn", "start_processes": "spawn", "ProcessContext": "spawn",
+    "SpawnContext": "spawn", "ProcessException": "spawn", "ProcessRaisedException": "spawn",
+    "ProcessExitedException": "spawn", "ProcessTimeoutError": "spawn", "ProcessFailure": "spawn",
+    "SpawnBootstrapError": "spawn",
     "get_context": "context", "Connection": "connection",
     "get_all_sharing_strategies": "strategies", "get_sharing_strategy": "strategies",
     "set_sharing_strategy": "strategies",
@@ -93,6 +120,29 @@ def __getattr__(name: str) -> _Any:
         raise AttributeError(f"module 'tensormp' has no attribute {name!r}")
     globals()[name] = value
     return value
+
+
+class _Package(_ModuleType):
+    """tensormp's module object. The import system binds a submodule as an attribute of its
+    package when it first loads it (``setattr``): after ``import tensormp.spawn`` (a pickle of a
+    spawn exception does it too), ``tensormp.spawn`` would be the module, not the function. The
+    public name wins over the submodule of the same name."""
+
+    def __setattr__(self, name: str, value: _Any) -> None:
+        if isinstance(value, _ModuleType) and name in _SHADOWED:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+    def __reduce__(self) -> tuple[_Any, ...]:
+        # By name, as cloudpickle pickles a module (its table knows the exact ModuleType only):
+        # a function pickled by value that uses ``tensormp.`` refers to the package so.
+        import importlib
+
+        return importlib.import_module, (self.__name__,)
+
+
+_SHADOWED = frozenset(name for name, module in _LAZY.items() if name == module)
+sys.modules[__name__].__class__ = _Package
 
 
 def __dir__() -> list[str]:

@@ -67,18 +67,14 @@ _PARENT_DEATH_SIGNAL = signal.SIGKILL
 _watch_fd: int | None = None
 
 
-def before_start(process: Any) -> None:
+def before_start(process: Any, method: str) -> None:
     """Parent side, in ``Process.start()``: record what the child needs to know.
 
-    Records the start method, whether ``start()`` runs on the main thread
-    (``PR_SET_PDEATHSIG`` fires when the forking *thread* exits, so it is only safe from a
-    thread that lives as long as the process) and the process's ``die_with_parent`` choice.
+    Records the start method ``method`` (the caller's context knows it), whether ``start()``
+    runs on the main thread (``PR_SET_PDEATHSIG`` fires when the forking *thread* exits, so it
+    is only safe from a thread that lives as long as the process) and the process's
+    ``die_with_parent`` choice.
     """
-    method = getattr(process, "_start_method", None)
-    if method is None:  # tensormp.Process: the default context decides at start()
-        from .context import get_context
-
-        method = get_context().get_start_method()
     process.__dict__["_tensormp_method"] = method
     process.__dict__["_tensormp_main_thread"] = (
         threading.current_thread() is threading.main_thread()

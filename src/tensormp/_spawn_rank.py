@@ -25,6 +25,7 @@ import os
 import signal
 import socket
 import sys
+from multiprocessing import util
 from typing import Any
 
 from . import _spawn_report
@@ -75,6 +76,9 @@ def spawn_entry(
     """
     global _channel
     _channel = sock
+    # Closed at the rank's exit (every path runs multiprocessing's finalizers), not left to the
+    # interpreter's teardown, which warns (ResourceWarning) when it collects it still open.
+    util.Finalize(None, sock.close, exitpriority=0)
     # The parent blocked SIGINT around start() (spawn, fork): nothing before this point can
     # print a KeyboardInterrupt traceback. Take it over, then let a pending one in. A parent
     # that ignores SIGINT (nohup, a background job) has children that ignore it too, as with

@@ -43,11 +43,12 @@ a context whose processes default to outliving their parent).
 from __future__ import annotations
 
 import os
+import pickle
 import sys
 from multiprocessing import context as _mpctx
 from typing import Any
 
-from . import _parent_death, reducers
+from . import _parent_death
 
 __all__ = [
     "Process",
@@ -116,8 +117,14 @@ class _ProcessMixin:
                 f"{type(self).__name__} objects can only be pickled by a start method while "
                 "starting the process; pass the process's target and arguments instead"
             )
+        from . import reducers
+
         msg = reducers.dumps(dict(self.__dict__))
-        fds = [popen.DupFd(popen.duplicate_for_child(fd)) for fd in msg.fds]
+        fds: list[Any] | None = [popen.DupFd(popen.duplicate_for_child(fd)) for fd in msg.fds]
+        if not (fds or msg.noted or msg.keepalive):
+            # No handle in it (each carries an fd, or pins a block): the child unpickles it
+            # without loading tensormp's reducers, as a stdlib child would (~5 ms of CPU).
+            fds = None
         self.__dict__["_tensormp_keepalive"] = msg.keepalive
         self.__dict__["_tensormp_noted"] = msg.noted
         msg.sent()  # the child rebuilds (and later releases) these handles
@@ -131,7 +138,9 @@ class _ProcessMixin:
         return _rebuild_process, (type(self), msg.data, fds, os.getpid(), settings)
 
     def start(self) -> None:
-        _parent_death.before_start(self)
+        # tensormp.Process (no method of its own): the default context decides at start().
+        method = getattr(self, "_start_method", None) or get_context().get_start_method()
+        _parent_death.before_start(self, method)
         try:
             super().start()  # type: ignore[misc]
             noted = self.__dict__.get("_tensormp_noted")
@@ -173,22 +182,43 @@ def _apply_settings(settings: dict[str, Any]) -> None:
 
 
 def _rebuild_process(
-    cls: type, data: bytes, fds: list[Any], parent_pid: int = 0, settings: Any = None
+    cls: type, data: bytes, fds: list[Any] | None, parent_pid: int, settings: dict[str, Any]
 ) -> Any:
-    if settings is not None:
-        _parent_death.before_arguments(settings, parent_pid)
-        _apply_settings(settings)
-    # Handles to the parent's own blocks are registered by the parent at start(): no hold
-    # records for those (reducers.numpy reads parent_pid); others are announced at once.
-    reducers.process_args_parent(parent_pid)
-    try:
-        state = reducers.loads(data, [fd.detach() for fd in fds])
-    finally:
-        reducers.process_args_parent(0)
-    reducers.flush_release_records()
+    _parent_death.before_arguments(settings, parent_pid)
+    _apply_settings(settings)
+    if fds is None:  # no handle in the state (see __reduce__)
+        state = pickle.loads(data)
+        _load_array_support()
+    else:
+        from . import reducers
+
+        # Handles to the parent's own blocks are registered by the parent at start(): no hold
+        # records for those (reducers.numpy reads parent_pid); others are announced at once.
+        reducers.process_args_parent(parent_pid)
+        try:
+            state = reducers.loads(data, [fd.detach() for fd in fds])
+        finally:
+            reducers.process_args_parent(0)
+        reducers.flush_release_records()
     obj: Any = object.__new__(cls)
     obj.__dict__.update(state)
     return obj
+
+
+_ARRAY_LIBRARIES = ("numpy", "torch")  # the modules of reducers.LIBRARIES (tests/test_layout.py)
+
+
+def _load_array_support() -> None:
+    """As ``reducers.loads`` after unpickling: an array library the arguments imported (a
+    DataLoader worker's dataset class imports torch) gets tensormp's support before the target
+    runs (its first batch), not on its first message."""
+    modules = sys.modules
+    if any(name in modules for name in _ARRAY_LIBRARIES):
+        from .reducers import LIBRARIES
+
+        for lib in LIBRARIES:
+            if lib.module in modules:
+                __import__(lib.reducers)
 
 
 class ForkProcess(_ProcessMixin, _mpctx.ForkProcess):

@@ -42,9 +42,9 @@ from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import util as _mputil
 from typing import Any
 
+from ._cpus import cpu_count as _cpu_count
 from .pool.engines import Engine, EngineConfig, create
 from .pool.errors import BrokenPoolError, WorkerLostError
-from .pool.pool import _cpu_count
 from .pool.progress import _Progress
 from .pool.tasks import _prepare, _Task
 from .pool.worker import _CALL, _STARMAP

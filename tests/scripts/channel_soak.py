@@ -175,9 +175,9 @@ def held_bytes(pids: list[int], program: tuple[int, int] | None) -> tuple[int, i
 
 
 def _program_files(program: tuple[int, int]) -> list:
-    from tensormp.strategies import file_system
+    from tensormp.strategies import names
 
-    return [f for f in file_system.list_segment_files() if f.program == program]
+    return [f for f in names.list_segment_files() if f.program == program]
 
 
 # -- the root ------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ Design note
 made (whose messages carry tokens, ``strategies/file_system.py``), and it answers with what it
 removed. Otherwise, and for ``ls``,
 ``doctor`` and ``gc --dry-run`` always, the CLI applies the daemon's rule without the in-flight
-knowledge (:func:`file_system.is_orphan` with ``known=False``): a file of this uid is an
+knowledge (:func:`names.is_orphan` with ``known=False``): a file of this uid is an
 orphan when its creator is dead, no live process maps it *or holds an fd to it*, and its program
 has ended (its root is dead and no live creator of another file of the same program is seen).
 That rule is never less careful than the daemon's, so running it next to a daemon is safe. The
@@ -50,7 +50,7 @@ import argparse
 import os
 import sys
 
-from ..strategies import file_system as fs
+from ..strategies import names
 from . import doctor, gc, ls
 
 __all__ = ["main"]
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         raises ``SystemExit(2)`` itself).
     """
     args = _parser().parse_args(argv)
-    args.shm_dir = args.shm_dir or fs.shm_dir()
+    args.shm_dir = args.shm_dir or names.shm_dir()
     try:
         return int(args.run(args))
     except BrokenPipeError:  # `tensormp ls | head`: silence the flush at exit too

@@ -7,7 +7,8 @@ import argparse
 import json
 import os
 
-from ..strategies import file_system as fs
+from ..liveness import process_alive
+from ..strategies import names
 from .proc import scan_proc
 from .segments import fmt, holders_by_name, live_programs, program_alive
 
@@ -16,16 +17,16 @@ __all__ = ["run"]
 
 def _collect_locally(shm: str, dry_run: bool) -> list[tuple[str, int]]:
     """Remove (or list, with ``dry_run``) the orphans of ``shm`` by the rule of the notes."""
-    files = fs.list_segment_files(shm)
-    candidates = [f for f in files if not fs.process_alive(*f.creator)]
+    files = names.list_segment_files(shm)
+    candidates = [f for f in files if not process_alive(*f.creator)]
     if not candidates:
         return []
     live = live_programs(files)
     held = holders_by_name(shm, scan_proc(shm))  # after the creators were seen dead
     freed = []
     for f in candidates:
-        if fs.is_orphan(f, held, False, program_alive(f, live), shm):
-            if dry_run or fs.unlink(f.name, shm):
+        if names.is_orphan(f, held, False, program_alive(f, live), shm):
+            if dry_run or names.unlink(f.name, shm):
                 freed.append((f.name, f.size))
     return freed
 

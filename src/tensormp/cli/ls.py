@@ -7,7 +7,7 @@ import json
 import os
 from dataclasses import asdict
 
-from ..strategies import file_system as fs
+from ..strategies import names
 from .proc import scan_proc
 from .segments import SegmentRow, daemon_state, file_rows, fmt, memfd_rows
 
@@ -17,10 +17,10 @@ __all__ = ["run"]
 def _short(row: SegmentRow, full: bool) -> str:
     if full:
         return row.name
-    parts = row.name[len(fs.PREFIX) :].split("-")
+    parts = row.name[len(names.PREFIX) :].split("-")
     if row.kind == "memfd":  # tensormp-<pid>-<hex>
-        return f"{fs.PREFIX}{parts[0]}-{parts[-1][:8]}…"
-    return f"{fs.PREFIX}{parts[0]}-{parts[1]}-…-{parts[-1][:8]}"  # tensormp-<uid>-<pid>-…
+        return f"{names.PREFIX}{parts[0]}-{parts[-1][:8]}…"
+    return f"{names.PREFIX}{parts[0]}-{parts[1]}-…-{parts[-1][:8]}"  # tensormp-<uid>-<pid>-…
 
 
 def _pids(pids: list[int], limit: int = 4) -> str:

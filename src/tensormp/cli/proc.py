@@ -7,11 +7,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ..strategies import file_system as fs
+from ..liveness import process_start_time
+from ..strategies import names
+from ..strategies.names import MEMFD_PREFIX, parse_memfd
 
-__all__ = ["Memfd", "Named", "Scan", "scan_proc", "MEMFD_PREFIX"]
+__all__ = ["Memfd", "Named", "Scan", "scan_proc"]
 
-MEMFD_PREFIX = "/memfd:" + fs.PREFIX
 _DELETED = " (deleted)"
 
 
@@ -47,27 +48,15 @@ def _named_entry(scan: Scan, path: str, prefix: str) -> Named:
     """The scan's entry for the named segment at ``path`` (under ``prefix``, the shm directory
     plus the name prefix; a ``(deleted)`` suffix is noted, not part of the name)."""
     deleted = path.endswith(_DELETED)
-    name = path[len(prefix) - len(fs.PREFIX) :]
+    name = path[len(prefix) - len(names.PREFIX) :]
     entry = scan.named.setdefault(name[: -len(_DELETED)] if deleted else name, Named())
     entry.deleted |= deleted
     return entry
 
-def _parse_memfd(target: str) -> tuple[str, int] | None:
-    """``'/memfd:tensormp-12-<hex> (deleted)'`` -> ``('tensormp-12-<hex>', 12)``."""
-    if not target.startswith(MEMFD_PREFIX):
-        return None
-    name = target[len("/memfd:") :]
-    if name.endswith(_DELETED):
-        name = name[: -len(_DELETED)]
-    parts = name[len(fs.PREFIX) :].split("-")
-    if len(parts) != 2 or not parts[0].isdigit() or len(parts[1]) != 32:
-        return None
-    return name, int(parts[0])
-
 
 def scan_proc(shm: str) -> Scan:
     """Every tensormp memfd, and every named segment of ``shm``, held by a readable process."""
-    prefix = os.path.realpath(shm).rstrip("/") + "/" + fs.PREFIX
+    prefix = os.path.realpath(shm).rstrip("/") + "/" + names.PREFIX
     scan = Scan()
     me = os.getpid()
     for entry in os.listdir("/proc"):
@@ -79,7 +68,7 @@ def scan_proc(shm: str) -> Scan:
         except FileNotFoundError:
             continue
         except OSError:
-            if fs.process_start_time(pid) is None:
+            if process_start_time(pid) is None:
                 continue  # exited or a zombie meanwhile: it holds nothing any more
             scan.unreadable += 1
             fds = []
@@ -90,7 +79,7 @@ def scan_proc(shm: str) -> Scan:
             except OSError:
                 continue
             if target.startswith(MEMFD_PREFIX):
-                parsed = _parse_memfd(target)
+                parsed = parse_memfd(target)
                 if parsed is None:
                     continue
                 try:
@@ -128,7 +117,7 @@ def scan_proc(shm: str) -> Scan:
             start, _, end = addr.partition("-")
             length = int(end, 16) - int(start, 16) + int(offset, 16)
             if path.startswith(MEMFD_PREFIX):
-                parsed = _parse_memfd(path)
+                parsed = parse_memfd(path)
                 if parsed is None:
                     continue
                 m = scan.memfds.setdefault(int(inode), Memfd(int(inode), *parsed))

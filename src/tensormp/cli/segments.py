@@ -7,8 +7,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ..liveness import process_alive, process_start_time
 from ..memory.segment import format_bytes
-from ..strategies import file_system as fs
+from ..strategies import names
 from .proc import Scan
 
 __all__ = [
@@ -54,34 +55,34 @@ class SegmentRow:
 
 
 def holders_by_name(shm: str, scan: Scan) -> dict[str, set[int]]:
-    """Live processes mapping (``file_system.mapped_names``) or holding an fd to each file."""
-    held = {name: set(pids) for name, pids in fs.mapped_names(shm).items()}
+    """Live processes mapping (``names.mapped_names``) or holding an fd to each file."""
+    held = {name: set(pids) for name, pids in names.mapped_names(shm).items()}
     for name, n in scan.named.items():
         held.setdefault(name, set()).update(n.fd_holders | n.map_holders)
     return held
 
 
-def program_alive(info: fs.SegmentFile, live_programs: set[tuple[int, int]]) -> bool:
-    return info.program in live_programs or fs.process_alive(*info.program)
+def program_alive(info: names.SegmentFile, live_programs: set[tuple[int, int]]) -> bool:
+    return info.program in live_programs or process_alive(*info.program)
 
 
-def live_programs(files: list[fs.SegmentFile]) -> set[tuple[int, int]]:
+def live_programs(files: list[names.SegmentFile]) -> set[tuple[int, int]]:
     """Programs with a live creator among ``files``: alive even if their root has exited."""
-    return {f.program for f in files if fs.process_alive(*f.creator)}
+    return {f.program for f in files if process_alive(*f.creator)}
 
 
 def file_rows(shm: str, scan: Scan, in_flight: dict[str, int] | None) -> list[SegmentRow]:
-    files = fs.list_segment_files(shm)
+    files = names.list_segment_files(shm)
     live = live_programs(files)
     held = holders_by_name(shm, scan)  # read after the creators' liveness, as the daemon does
     rows = []
     listed = set()
     for f in sorted(files, key=lambda f: f.name):
         listed.add(f.name)
-        creator_alive = fs.process_alive(*f.creator)
+        creator_alive = process_alive(*f.creator)
         holders = sorted(held.get(f.name, ()))
         prog_alive = program_alive(f, live)
-        if fs.is_orphan(f, held, False, prog_alive, shm):
+        if names.is_orphan(f, held, False, prog_alive, shm):
             status, reason = "orphan", "creator and program dead, no process holds it"
         elif creator_alive:
             status, reason = "live", "creator alive"
@@ -101,12 +102,12 @@ def file_rows(shm: str, scan: Scan, in_flight: dict[str, int] | None) -> list[Se
         ))
     uid = os.getuid()
     for name, n in sorted(scan.named.items()):
-        info = fs.parse_name(name, n.size)
+        info = names.parse_name(name, n.size)
         if name in listed or not n.deleted or info is None or info.uid != uid:
             continue
         holders = sorted(n.fd_holders | n.map_holders)
         rows.append(SegmentRow(
-            "file", name, "", n.size, info.creator[0], fs.process_alive(*info.creator), holders,
+            "file", name, "", n.size, info.creator[0], process_alive(*info.creator), holders,
             None, "live",
             f"name removed, memory held by {len(holders)} process(es) until they let go", None,
         ))
@@ -119,7 +120,7 @@ def memfd_rows(scan: Scan) -> list[SegmentRow]:
         holders = sorted(m.fd_holders | m.map_holders)
         rows.append(SegmentRow(
             "memfd", m.name, m.path, m.size, m.creator_pid,
-            fs.process_start_time(m.creator_pid) is not None, holders, None, "live",
+            process_start_time(m.creator_pid) is not None, holders, None, "live",
             f"held by {len(holders)} process(es); freed by the kernel after the last",
             m.inode,
         ))

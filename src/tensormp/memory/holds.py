@@ -29,19 +29,29 @@ Every function here runs with ``MemoryState``'s lock held (the caller's).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ..liveness import process_start_time
 from . import release
 from .blocks import Block
 
 if TYPE_CHECKING:
-    from .state import MemoryState
+    from .arenas import SubAllocator
 
 __all__ = [
-    "holders_add", "holders_items", "holder_key", "drop_remote", "post_release",
+    "HoldState", "holders_add", "holders_items", "holder_key", "drop_remote", "post_release",
     "announce_holds", "apply_records", "sweep_dead_holders", "take_back",
 ]
+
+
+class HoldState(Protocol):
+    """What the functions here read and change of the allocator's state: ``state.MemoryState``,
+    which passes itself in (this module sits below ``state.py`` and does not import it)."""
+
+    start_times: dict[int, int]
+    early: set[int]
+    unannounced: set[Block]
+    arenas: SubAllocator
 
 
 def holders_add(block: Block, key: tuple[int, int], delta: int) -> None:
@@ -78,7 +88,7 @@ def holders_items(block: Block) -> list[tuple[tuple[int, int], int]]:
     return list(holders.items())
 
 
-def holder_key(st: MemoryState, pid: int) -> tuple[int, int]:
+def holder_key(st: HoldState, pid: int) -> tuple[int, int]:
     """``(pid, start time)`` of a record's sender; start time 0: it has exited (pid 0: the
     kernel could not name it, e.g. another pid namespace; such holds are not tracked)."""
     if not pid:
@@ -92,7 +102,7 @@ def holder_key(st: MemoryState, pid: int) -> tuple[int, int]:
     return (pid, start)
 
 
-def drop_remote(st: MemoryState, block: Block, count: int) -> None:
+def drop_remote(st: HoldState, block: Block, count: int) -> None:
     """``count`` remote handles to our ``block`` are gone; recycle it when none is left and
     our own view is dead too."""
     block.remote -= count
@@ -108,7 +118,7 @@ def drop_remote(st: MemoryState, block: Block, count: int) -> None:
         arenas.recycle(block)
 
 
-def take_back(st: MemoryState, held: Block, token: int) -> None:
+def take_back(st: HoldState, held: Block, token: int) -> None:
     """Our own block ``held`` came back to us in a handle (carrying acquire ``token``, or 0):
     that handle is consumed here."""
     acquired = held.acquired
@@ -124,7 +134,7 @@ def take_back(st: MemoryState, held: Block, token: int) -> None:
         del st.arenas.remote_held[(held.segment.id, held.offset)]
 
 
-def post_release(st: MemoryState, block: Block, urgent: bool = False) -> None:
+def post_release(st: HoldState, block: Block, urgent: bool = False) -> None:
     """Queue the records that give back every handle ``block`` received here: ``R`` for the
     ones the creator was told about, ``D`` for the ones it was not (see release.py)."""
     seg = block.segment
@@ -140,7 +150,7 @@ def post_release(st: MemoryState, block: Block, urgent: bool = False) -> None:
     block.received = block.announced = 0
 
 
-def announce_holds(st: MemoryState) -> None:
+def announce_holds(st: HoldState) -> None:
     """Queue ``H`` records for every handle received here that its creator was not told of."""
     for block in st.unannounced:
         count = block.received - block.announced
@@ -152,7 +162,7 @@ def announce_holds(st: MemoryState) -> None:
 
 
 def apply_records(
-    st: MemoryState, pid: int, records: list[tuple[bytes, bytes, int, int, int]]
+    st: HoldState, pid: int, records: list[tuple[bytes, bytes, int, int, int]]
 ) -> None:
     """Process ``pid`` acquired, holds, released or dropped our blocks (one datagram's
     records, in order; see release.py)."""
@@ -190,7 +200,7 @@ def apply_records(
                 drop_remote(st, block, count)
 
 
-def sweep_dead_holders(st: MemoryState) -> None:
+def sweep_dead_holders(st: HoldState) -> None:
     """Forget the holds of processes that died (release server thread, about once a second)."""
     blocks = [b for b in st.arenas.remote_held.values() if b.holders]
     alive: dict[tuple[int, int], bool] = {}

@@ -37,15 +37,19 @@ import errno
 import mmap
 import os
 import struct
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import SharedMemoryError
 
 if TYPE_CHECKING:
-    from ..strategies.base import Strategy
-    from .blocks import RootRef
+    import weakref
 
-__all__ = ["Segment", "format_bytes", "available_memory", "WIRE_SIZE", "STRATEGY_AT", "unpack_wire"]
+    import numpy as np
+
+__all__ = [
+    "Segment", "Maker", "format_bytes", "available_memory", "WIRE_SIZE", "STRATEGY_AT",
+    "unpack_wire",
+]
 
 PAGE_SIZE = mmap.PAGESIZE
 
@@ -188,6 +192,23 @@ def available_memory() -> int | None:
     return avail
 
 
+class Maker(Protocol):
+    """The strategy that made a segment, as the code below the strategies uses it
+    (``strategies.base.Strategy``; strategies build on this module, which does not import them)."""
+
+    @property
+    def code(self) -> int: ...
+
+    @property
+    def keeps_fd(self) -> bool: ...
+
+    def reference(self, msg: Any, seg: Segment) -> int | str: ...
+
+    def remove(self, seg: Segment) -> None: ...
+
+    def unmapped(self, seg: Segment) -> None: ...
+
+
 class Segment:
     """One shared-memory segment as seen by this process: an fd and one mapping.
 
@@ -213,7 +234,7 @@ class Segment:
 
     def __init__(
         self, seg_id: bytes, fd: int, size: int, creator_pid: int, kind: str,
-        strategy: Strategy, name: str = "",
+        strategy: Maker, name: str = "",
     ) -> None:
         """Map ``fd`` (``size`` bytes), taking ownership of it: kept as ``self.fd`` when
         ``strategy.keeps_fd``, closed at once otherwise (and on failure).
@@ -247,8 +268,8 @@ class Segment:
         ).from_address(self.address)
         self.view: memoryview | None = memoryview(self.buffer).cast("B")
         self._wire: tuple[bytes, bytes] | None = None
-        # block offset -> weakref of the live root array of that block in this process
-        self.roots: dict[int, RootRef] = {}
+        # block offset -> weakref (blocks.RootRef) of the live root array of that block here
+        self.roots: dict[int, weakref.ref[np.ndarray]] = {}
 
     def wire(self, owner_addr: bytes) -> bytes:
         """This segment as a handle carries it, with ``owner_addr`` as release address

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 import reprlib
 import threading
 import warnings
@@ -15,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from multiprocessing import util as _mputil
 from typing import Any
 
+from .._cpus import cpu_count as _cpu_count
 from .engines import Engine, EngineConfig, create
 from .engines.base import _RUN
 from .errors import BrokenPoolError, WorkerLostError
@@ -22,16 +22,6 @@ from .progress import _Progress
 from .results import AsyncResult, IMapIterator, MapResult
 from .tasks import _Fn, _initargs, _prepare, _Task
 from .worker import _CALL, _MAP, _STARMAP
-
-
-def _cpu_count() -> int:
-    count = getattr(os, "process_cpu_count", None)
-    if count is not None:
-        return count() or 1
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def _check_chunksize(chunksize: Any) -> None:

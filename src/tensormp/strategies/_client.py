@@ -22,8 +22,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import TensormpError
-from . import _daemon, add_closer
-from . import file_system as fs
+from . import _daemon, add_closer, names, program
 
 __all__ = ["created", "request", "connection_fd", "start_daemon"]
 
@@ -63,7 +62,7 @@ def start_daemon(shm: str) -> None:
 
 
 def _hello(sock: socket.socket, path: str) -> None:
-    ppid, pstart = fs.program()
+    ppid, pstart = program()
     sock.send(f"HELLO {_daemon.PROTOCOL} {ppid} {pstart}\n".encode())
     reply = sock.recv(256).decode(errors="replace").split()
     if not reply:
@@ -88,7 +87,7 @@ class _Retry(TensormpError):
 
 
 def _connect() -> socket.socket:
-    shm = fs.shm_dir()
+    shm = names.shm_dir()
     path = _daemon.socket_path(shm)
     deadline = time.monotonic() + _CONNECT_TIMEOUT
     last_start = 0.0
@@ -124,12 +123,12 @@ def _send_locked(packets: list[bytes], must: bool) -> None:
     global _sock, _sock_dir
     for attempt in (0, 1):
         try:
-            if _sock is None or _sock_dir != fs.shm_dir():
+            if _sock is None or _sock_dir != names.shm_dir():
                 if _sock is not None:
                     _sock.close()
                 _sock = None
                 _sock = _connect()
-                _sock_dir = fs.shm_dir()
+                _sock_dir = names.shm_dir()
             fd = _sock.fileno()
             for packet in packets:
                 # The socket has a timeout, so Python polls before every send(); its fd is
@@ -158,11 +157,11 @@ def _send_locked(packets: list[bytes], must: bool) -> None:
             return
 
 
-def _packets(op: str, names: Iterable[str], n: int | None) -> list[bytes]:
+def _packets(op: str, segments: Iterable[str], n: int | None) -> list[bytes]:
     out: list[bytes] = []
     buf: list[str] = []
     size = 0
-    for name in names:
+    for name in segments:
         line = f"{op} {name}\n" if n is None else f"{op} {name} {n}\n"
         if size + len(line) > _MAX_PACKET and buf:
             out.append("".join(buf).encode())
@@ -190,7 +189,7 @@ def request(what: str, shm: str | None = None, start: bool = False) -> dict[str,
     None when no daemon serves it (and ``start`` is False)."""
     import json
 
-    shm = shm or fs.shm_dir()
+    shm = shm or names.shm_dir()
     path = _daemon.socket_path(shm)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     sock.settimeout(_CONNECT_TIMEOUT)

@@ -22,7 +22,7 @@ create ``name``; never answered), and two requests, answered with one JSON packe
 The daemon counts nothing per message; it only remembers which names were announced.
 
 **Collection** (:meth:`Daemon.collect`, about once a second and on ``GC``). For each named
-segment file of this uid whose creator is dead (pid + start time), :func:`file_system.is_orphan`
+segment file of this uid whose creator is dead (pid + start time), :func:`names.is_orphan`
 decides: no live process maps it (``/proc/<pid>/maps``) and, for a file announced by a ``C``
 record, no token of it exists (one ``F_OFD_GETLK``: a message carrying it is unread, or a
 process maps it through one; see ``file_system.py``); for a file it was not told of, its
@@ -55,7 +55,8 @@ import struct
 import sys
 import time
 
-from . import file_system as fs
+from ..liveness import process_alive
+from . import names
 
 PROTOCOL = 2
 # The collection rule (tokens). It names the socket and the lock, so that daemons of programs
@@ -103,7 +104,7 @@ def _key(shm: str) -> str:
 
 def socket_path(shm: str | None = None) -> str:
     """The daemon socket for the shm directory ``shm`` (default: the current one)."""
-    return os.path.join(runtime_dir(), f"daemon-{_key(shm or fs.shm_dir())}-g{GENERATION}.sock")
+    return os.path.join(runtime_dir(), f"daemon-{_key(shm or names.shm_dir())}-g{GENERATION}.sock")
 
 
 class _Client:
@@ -217,8 +218,8 @@ class Daemon:
             elif op == "C" and len(parts) == 2:
                 self.created[parts[1]] = time.monotonic()
             elif op == "STATE":
-                files = fs.list_segment_files(self.shm)
-                carried = [f.name for f in files if fs.carried(f.name, self.shm)]
+                files = names.list_segment_files(self.shm)
+                carried = [f.name for f in files if names.carried(f.name, self.shm)]
                 self._reply(client, {
                     "pid": os.getpid(), "protocol": PROTOCOL, "clients": len(self.clients),
                     "shm_dir": self.shm, "started": self.started,
@@ -236,28 +237,28 @@ class Daemon:
 
     # -- collection ----------------------------------------------------------------------------
     def program_alive(self, prog: tuple[int, int]) -> bool:
-        if fs.process_alive(*prog):
+        if process_alive(*prog):
             return True
         return any(c.program == prog for c in self.clients.values())
 
-    def collect(self) -> list[fs.SegmentFile]:
+    def collect(self) -> list[names.SegmentFile]:
         """Remove every orphaned named segment (see the module notes); returns them."""
         self._accept_all()
         self._read_all()
-        files = fs.list_segment_files(self.shm)
+        files = names.list_segment_files(self.shm)
         present = {f.name for f in files}
         now = time.monotonic()
         for name in [n for n, t in self.created.items() if n not in present and now - t > _CREATED_GRACE]:
             del self.created[name]
-        candidates = [f for f in files if not fs.process_alive(*f.creator)]
+        candidates = [f for f in files if not process_alive(*f.creator)]
         if not candidates:
             return []
-        mapped = fs.mapped_names(self.shm)
+        mapped = names.mapped_names(self.shm)
         freed = []
         for f in candidates:
             known = f.name in self.created
-            if fs.is_orphan(f, mapped, known, known or self.program_alive(f.program), self.shm):
-                if fs.unlink(f.name, self.shm):
+            if names.is_orphan(f, mapped, known, known or self.program_alive(f.program), self.shm):
+                if names.unlink(f.name, self.shm):
                     freed.append(f)
                     self._say(f"removed {f.name} ({f.size} bytes)")
                 self.created.pop(f.name, None)
@@ -279,7 +280,7 @@ class Daemon:
             if now >= next_collect:
                 self.collect()
                 next_collect = now + COLLECT_INTERVAL
-                if self.clients or fs.list_segment_files(self.shm):
+                if self.clients or names.list_segment_files(self.shm):
                     self.idle_since = now
                 elif now - self.idle_since > IDLE_EXIT:
                     self._say("idle: exiting")

@@ -16,16 +16,22 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 if TYPE_CHECKING:
     from ..memory.segment import Segment
-    from ..reducers import Message
 
-__all__ = ["Strategy", "TakeFd"]
+__all__ = ["Strategy", "TakeFd", "FdList"]
 
 TakeFd = Callable[[int], int]
 """Inside a rebuild: takes ownership of the message's fd number ``index`` (``reducers.take_fd``)."""
+
+
+class FdList(Protocol):
+    """What :meth:`Strategy.reference` attaches fds to: the message being pickled
+    (``reducers.Message``; the reducers build on the strategies, which do not import them)."""
+
+    def add_fd(self, fd: int, key: object, owner: object) -> int: ...
 
 
 class Strategy(ABC):
@@ -56,7 +62,7 @@ class Strategy(ABC):
         """
 
     @abstractmethod
-    def reference(self, msg: Message, seg: Segment) -> int | str:
+    def reference(self, msg: FdList, seg: Segment) -> int | str:
         """What a handle to ``seg`` carries in message ``msg``: the index of an fd attached
         to the message (``Message.add_fd``), or a name another process can open.
 

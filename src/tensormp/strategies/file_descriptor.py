@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import TYPE_CHECKING
 
 from ..errors import FdLimitError, HandleError, SharedMemoryError
 from ..memory.segment import Segment, available_memory, format_bytes
-from .base import Strategy, TakeFd
-
-if TYPE_CHECKING:
-    from ..reducers import Message
+from .base import FdList, Strategy, TakeFd
+from .names import memfd_name
 
 __all__ = ["FileDescriptor"]
 
@@ -45,7 +42,7 @@ class FileDescriptor(Strategy):
             )
         seg_id = os.urandom(16)
         try:
-            fd = os.memfd_create(f"tensormp-{os.getpid()}-{seg_id.hex()}", os.MFD_CLOEXEC)
+            fd = os.memfd_create(memfd_name(seg_id), os.MFD_CLOEXEC)
         except OSError as e:
             if e.errno in (errno.EMFILE, errno.ENFILE):
                 raise FdLimitError(
@@ -80,7 +77,7 @@ class FileDescriptor(Strategy):
             ) from None
         return seg
 
-    def reference(self, msg: Message, seg: Segment) -> int | str:
+    def reference(self, msg: FdList, seg: Segment) -> int | str:
         return msg.add_fd(seg.fd, seg.id, seg)
 
     def attach(

@@ -30,7 +30,7 @@ class QueueEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         if config.processes is None:
-            from ..pool import _cpu_count
+            from ..._cpus import cpu_count as _cpu_count
 
             config = dataclasses.replace(config, processes=_cpu_count())
         assert config.processes is not None

@@ -932,7 +932,7 @@ class Engine(_Engine):
 
     def __init__(self, config: EngineConfig) -> None:
         if config.processes is None:
-            from ..pool import _cpu_count
+            from ..._cpus import cpu_count as _cpu_count
 
             processes = _cpu_count()
         else:
