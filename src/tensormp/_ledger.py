@@ -307,12 +307,24 @@ class Ledger:
         False: the slots did not become free in time (nothing held).
 
         ``sock`` is the queue's reading end (peeked at, never read)."""
+        self._take_w(sock)
+        view, hdr = self._view, self._hdr  # the usual case: room, by the counts alone
+        if not self._reclaim_due and view[hdr + _S] - view[hdr + _D] + view[hdr + _RES] <= self.maxsize - k:
+            return True
+        return self._wait_room(sock, block, timeout, k)
+
+    def _wait_room(self, sock: socket.socket, block: bool, timeout: float | None, k: int) -> bool:
+        """:meth:`enter` when the counts show no room: peek, wait for rings (called holding
+        W; returns holding it when True, not holding it when False)."""
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         backoff = _BACKOFF_FIRST
         hdr, room = self._hdr, self.maxsize - k
         waiting = False  # this call is counted in WAITERS
+        held = True
         while True:
-            self._take_w(sock)
+            if not held:
+                self._take_w(sock)
+            held = False
             try:
                 view = self._view
                 if self._reclaim_due:

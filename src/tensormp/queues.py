@@ -17,17 +17,26 @@ Same API and semantics as the stdlib's (``multiprocessing.queues``), with these 
   readers need no lock), counts a bounded queue's items (the records in the socket; producers
   write holding an OFD lock, which the kernel drops when its holder dies), and holds tasks as
   tokens that it gives back when their holder dies (``_ledger.py``).
+* ``put_many(items)``/``get_many(max_messages_to_get=...)`` (faster-fifo's names): the items of
+  one ``put_many`` are one record (one pickle of a private list type, ``_Batch``, one
+  ``sendmsg`` with the fds of all their arrays): a batch costs one item's syscalls. A bounded
+  queue counts it as ``k`` slots (a batch larger than ``maxsize`` is refused), a
+  ``JoinableQueue`` as ``k`` tasks under one token. The process that takes the record takes
+  all ``k`` items; those its ``get``/``get_many`` did not return yet wait in ``_pending``, are
+  returned first by its next ``get``/``get_many``, and are not in ``qsize()`` (a fork child
+  starts without them).
 
 Delivery rule (what survivors see when any process is SIGKILLed at any instant)
 ---------------------------------------------------------------------------------
-Every message is delivered whole, at most once, to one consumer, in each producer's order.
-The only messages lost are:
+Every message is delivered whole, at most once, to one consumer, in each producer's order (a
+``put_many`` batch is one message). The only messages lost are:
 
 * a producer's message not yet written to the socket: the one its ``put()`` was writing, and
   those its ``put()`` left to its feeder thread because the socket was full (the stdlib's
   behaviour; ``put()`` writes the message itself whenever the socket has room and nothing of
   this process is waiting, which is the usual case);
-* a consumer's message already taken from the socket by the ``get()`` it was in.
+* a consumer's message already taken from the socket by the ``get()`` it was in, and the
+  items of batches it took that its ``get()``/``get_many()`` had not returned yet.
 
 A bounded queue's slot is free once its record is taken from the socket (a consumer holds
 none); a producer killed while writing has its record counted if and only if it was written;
