@@ -10,9 +10,10 @@ for good. Here nothing a process holds outlives it.
 socket, messages a producer accepted but left to its feeder thread (*reserved*), and the record
 a producer is writing. The kernel counts the first kind: the consumers' ``recvmsg`` is the only count of a
 get (a consumer keeps no slot, so its death costs none, and ``get()`` adds no syscall). A
-producer takes the *write lock* ``W`` (an OFD lock, ``F_OFD_SETLKW``, on a byte of the ledger
-file, held by the process's own open file description, so the kernel drops it when the process
-dies) around: the room check, the record's write, and the book-keeping below, all in the
+producer takes the *write lock* ``W`` (``flock(LOCK_EX)`` of the ledger file through the
+process's own open file description, so the kernel drops it when the process dies; a ``flock``,
+not a byte-range lock: the kernel does not walk the byte-range locks of rows and task tokens to
+grant it) around: the room check, the record's write, and the book-keeping below, all in the
 ledger file (a memfd every process maps):
 
 * ``S`` items written so far (a ``put_many`` record holds ``k`` items and takes ``k`` slots);
@@ -90,11 +91,10 @@ _F_OFD_SETLKW = getattr(fcntl, "F_OFD_SETLKW", 38)
 _WR = fcntl.F_WRLCK
 _RD = fcntl.F_RDLCK
 _UN = fcntl.F_UNLCK
-_W_LOCK = _FLOCK.pack(_WR, 0, 1 << 32, 1, 0)
-_W_UNLOCK = _FLOCK.pack(_UN, 0, 1 << 32, 1, 0)
+_LOCK_EX = fcntl.LOCK_EX
+_LOCK_UN = fcntl.LOCK_UN
 
-W_BYTE = 1 << 32  # the write lock of a bounded queue
-ROW_BASE = W_BYTE + 1  # + pid: a producer's row lock, held for its life
+ROW_BASE = (1 << 32) + 1  # + pid: a producer's row lock, held for its life
 TASK_BASE = 1 << 40
 TASK_SPAN = 1 << 40
 NO_SLOT = 0xFFFFFFFF
@@ -380,7 +380,7 @@ class Ledger:
             mine = self._mine
             if mine < 0:
                 mine = self._claim_row()
-            fcntl.fcntl(mine, _F_OFD_SETLKW, _W_LOCK)
+            fcntl.flock(mine, _LOCK_EX)
         except BaseException:
             self._wlock.release()
             raise
@@ -393,7 +393,7 @@ class Ledger:
 
     def _leave_w(self) -> None:
         try:
-            fcntl.fcntl(self._mine, _F_OFD_SETLK, _W_UNLOCK)
+            fcntl.flock(self._mine, _LOCK_UN)
         finally:
             self._wlock.release()
 
@@ -409,11 +409,11 @@ class Ledger:
             else:
                 raise OSError(errno.EMFILE, f"no free row in {self!r}")
             self._row = row
-            fcntl.fcntl(mine, _F_OFD_SETLKW, _W_LOCK)
+            fcntl.flock(mine, _LOCK_EX)
             try:  # what a dead process left in this row is not ours
                 self._forget_row(row)
             finally:
-                fcntl.fcntl(mine, _F_OFD_SETLK, _W_UNLOCK)
+                fcntl.flock(mine, _LOCK_UN)
         except BaseException:
             os.close(mine)
             raise
