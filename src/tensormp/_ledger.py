@@ -8,8 +8,9 @@ for good. Here nothing a process holds outlives it.
 
 **Slots (bounded queues).** The items of a bounded queue are: the items of the records in the
 socket, messages a producer accepted but left to its feeder thread (*reserved*), and the record
-a producer is writing. The kernel counts the first kind: the consumers' ``recvmsg`` is the only count of a
-get (a consumer keeps no slot, so its death costs none, and ``get()`` adds no syscall). A
+a producer is writing. The kernel counts the first kind: the consumers' ``recvmsg`` is the only
+count of a get (a consumer keeps no slot, so its death costs none, and ``get()`` adds no
+syscall). A
 producer takes the *write lock* ``W`` (``flock(LOCK_EX)`` of the ledger file through the
 process's own open file description, so the kernel drops it when the process dies; a ``flock``,
 not a byte-range lock: the kernel does not walk the byte-range locks of rows and task tokens to
@@ -28,11 +29,12 @@ ledger file (a memfd every process maps):
   ``ROW_BASE + pid`` held for life, is gone): done after a blocked ``put()`` waited in vain
   and by ``qsize()``.
 
-A producer killed while holding ``W`` leaves an *intent* (the record's number, item count and
-length, written before its ``sendmsg``): the next holder of ``W`` finds out whether that record was
-sent from ``FIONREAD`` (the bytes of all records in the socket, read between two peeks at the
-same head) against ``cum``, and counts it or not. So ``qsize()`` is exact, and a slot of a
-process that died is free at once (its reservations: within a blocked ``put()``'s back-off).
+A producer killed while holding ``W`` leaves an *intent* (the record's number, item count
+and length, written before its ``sendmsg``): the next holder of ``W`` finds out whether that
+record was sent from ``FIONREAD`` (the bytes of all records in the socket, read between two
+peeks at the same head) against ``cum``, and counts it or not. So ``qsize()`` is exact, and
+a slot of a process that died is free at once (its reservations: within a blocked ``put()``'s
+back-off).
 
 Waiting for a slot: a producer that finds no room adds itself to ``WAITERS`` (and its row)
 *before* it peeks, then sleeps on the *bell*, a datagram socket pair; a consumer that read a
@@ -46,10 +48,11 @@ an OFD byte lock on a random byte of ``[TASK_BASE, TASK_BASE + TASK_SPAN)``; the
 it when the last fd of the description is closed, by ``close()`` or by the death of the last
 process holding one. ``put()`` opens a fresh OFD, locks, and sends its fd *inside the
 message's record* (``SCM_RIGHTS``), then closes its own fd: the kernel holds the token in
-flight, with the message. ``get()`` keeps it until ``task_done()``. A ``put_many`` record of
-``k`` items carries one token, which its taker keeps until its ``k``-th ``task_done()``. A producer killed before
-its ``sendmsg`` frees its task, a consumer killed after its ``recvmsg`` too (the item counts as
-done). ``join()`` waits with ``F_OFD_SETLKW`` for a read lock on the whole task range.
+flight, with the message. ``get()`` keeps it until ``task_done()``; a ``put_many`` record of
+``k`` items carries one token, which its taker keeps until its ``k``-th ``task_done()``. A
+producer killed before its ``sendmsg`` frees its task, a consumer killed after its ``recvmsg``
+too (the item counts as done). ``join()`` waits with ``F_OFD_SETLKW`` for a read lock on the
+whole task range.
 
 **Size of an unbounded queue.** No tokens, no lock: a pair of counters per pid (16 bytes at
 ``16 * pid``; the file is sparse) that only that process writes, one per message put or got;
@@ -309,7 +312,8 @@ class Ledger:
         ``sock`` is the queue's reading end (peeked at, never read)."""
         self._take_w(sock)
         view, hdr = self._view, self._hdr  # the usual case: room, by the counts alone
-        if not self._reclaim_due and view[hdr + _S] - view[hdr + _D] + view[hdr + _RES] <= self.maxsize - k:
+        taken = view[hdr + _S] - view[hdr + _D] + view[hdr + _RES]
+        if taken <= self.maxsize - k and not self._reclaim_due:
             return True
         return self._wait_room(sock, block, timeout, k)
 
