@@ -17,6 +17,7 @@ import pickle
 import queue
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ import pytest
 import tensormp as mp
 from conftest import START_METHODS
 from tensormp import _testhooks
+from tensormp.connection import INLINE_MAX
 from test_channels import _dead, _recv_all
 
 pytestmark = pytest.mark.timeout(120)
@@ -31,14 +33,18 @@ pytestmark = pytest.mark.timeout(120)
 BATCH = 5
 
 
-def _batch(tag: int, b: int) -> list:
-    """Batch ``b`` of producer ``tag``: BATCH items, each checkable on arrival."""
-    return [(tag, b, j, np.full(1024, b * 100 + j, dtype=np.float32)) for j in range(BATCH)]
+def _batch(tag: int, b: int, large: bool = False) -> list:
+    """Batch ``b`` of producer ``tag``: BATCH items, each checkable on arrival; ``large``: its
+    pickle is larger than a record holds (it travels in a memfd)."""
+    n = INLINE_MAX // 2 if large else 1  # per item: pickled once each
+    return [(tag, b, j, np.full(1024, b * 100 + j, dtype=np.float32), bytes([b]) * n)
+            for j in range(BATCH)]
 
 
 def _check(item: tuple) -> tuple[int, int, int]:
-    tag, b, j, a = item
+    tag, b, j, a, pad = item
     assert mp.is_shared(a) and a.shape == (1024,) and (a == b * 100 + j).all(), (tag, b, j)
+    assert pad == bytes([b]) * len(pad)
     return tag, b, j
 
 
@@ -53,12 +59,12 @@ def _make(ctx, kind: str, maxsize: int = 0):
 
 
 # -- children (module level so spawn can import them) -----------------------------------------
-def _producer(q, tag, batches, ack=None, point=None, nth=1):
+def _producer(q, tag, batches, ack=None, point=None, nth=1, large=False):
     """put_many batches 0..batches-1; after each returns, tell ``ack`` its number."""
     if point:
         _testhooks.kill_at(point, nth)
     for b in range(batches):
-        q.put_many(_batch(tag, b))
+        q.put_many(_batch(tag, b, large))
         if ack is not None:
             ack.send(b)
     if hasattr(q, "join_thread"):
@@ -296,11 +302,12 @@ def test_a_batch_carries_more_fds_than_one_sendmsg():
 
 
 # -- kills ----------------------------------------------------------------------------------------
-# point of the 3rd put_many the producer dies at, batches written when it dies
+# point of the 3rd put_many the producer dies at, batch size, batches written when it dies
 PRODUCER_KILLS = [
-    ("put.begin", 2),   # pickled, nothing written
-    ("put.tokens", 2),  # slots (bounded) or tokens taken, nothing written
-    ("send.sent", 3),   # right after the record's sendmsg
+    ("put.begin", "small", 2),     # pickled, nothing written
+    ("put.tokens", "small", 2),    # slots (bounded) or tokens taken, nothing written
+    ("send.payload", "large", 2),  # the pickle in its memfd (bounded: the intent written)
+    ("send.sent", "small", 3),     # right after the record's sendmsg, before it is counted
 ]
 
 
@@ -308,13 +315,13 @@ PRODUCER_KILLS = [
 @pytest.mark.parametrize("maxsize", [0, 16], ids=["unbounded", "bounded"])
 @pytest.mark.parametrize("case", PRODUCER_KILLS, ids=lambda c: c[0])
 def test_producer_killed_in_put_many(case, maxsize, kind):
-    point, written = case
+    point, size, written = case
     if point == "put.tokens" and kind == "Queue" and not maxsize:
         point = "put.begin"  # no slot and no token: the same instant
     ctx = mp.get_context("fork")
     q = _make(ctx, kind, maxsize)
     ack_r, ack_w = multiprocessing.get_context("fork").Pipe(duplex=False)  # no send.sent point
-    victim = ctx.Process(target=_producer, args=(q, 0, 10, ack_w, point, 3))
+    victim = ctx.Process(target=_producer, args=(q, 0, 10, ack_w, point, 3, size == "large"))
     victim.start()
     ack_w.close()
     _dead(victim)
@@ -369,3 +376,24 @@ def test_consumer_killed_in_get_many(point, lost, maxsize):
     assert rest == _flat(range(2 + lost, 6))  # the taken batch is lost whole, nothing else
     if maxsize:
         assert q.qsize() == 0  # every slot is back
+
+
+# -- the feeder -----------------------------------------------------------------------------------
+def test_feeder_waits_without_spinning_while_every_payload_memfd_is_unread():
+    """Large pickles travel in memfds (4 per writer end); with all 4 unread, the feeder waits
+    for the oldest's reader instead of polling a socket that has room (a spin)."""
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    q.put_many(_batch(0, 0, large=True))
+    for b in range(1, 6):  # the 5th and 6th large records wait for a memfd: the feeder has them
+        q.put(_batch(0, b, large=True))
+    cpu = time.process_time()
+    time.sleep(1.0)
+    cpu = time.process_time() - cpu
+    got = [_check(i) for i in q.get_many(timeout=10, max_messages_to_get=BATCH)]
+    for _ in range(5):
+        got += [_check(i) for i in q.get(timeout=10)]
+    assert got == _flat(range(6))
+    assert cpu < 0.05, f"the feeder spun: {cpu:.2f} s of CPU in 1 s of waiting"
+    q.close()
+    q.join_thread()

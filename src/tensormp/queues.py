@@ -693,6 +693,12 @@ class Queue(_Receiving):
                                 return
                             try:
                                 sent = out.write(writer, False)
+                                if not sent and room.poll(0):
+                                    # The socket has room: every payload memfd of this end is
+                                    # still unread (connection.py). Wait for the oldest's
+                                    # reader; polling for room would return at once, a spin.
+                                    _send_blocking(writer, out, blocked)
+                                    sent = True
                             except OSError as e:
                                 if e.errno != errno.ETOOMANYREFS:
                                     raise
