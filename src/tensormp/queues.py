@@ -866,6 +866,9 @@ class SimpleQueue(_Receiving):
             msg.abandon()
             raise
 
+    def _check_open(self) -> None:
+        self._reader._check_closed()  # OSError, as get() after close()
+
     def _read(self, wait: bool) -> Record | None:
         return self._reader.read_record(wait)
 
