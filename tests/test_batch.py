@@ -125,6 +125,7 @@ def test_get_returns_a_batch_one_item_at_a_time_and_get_many_takes_what_is_there
     q.put(_batch(0, 1)[0])  # one item
     q.put_many(_batch(0, 2)[:1])  # a batch of one
     q.put_many([])  # nothing
+    q.put_many_nowait([])
     assert _check(q.get(timeout=10)) == (0, 0, 0)
     assert not q.empty()  # the batch's rest is this process's to get
     got = [_check(i) for i in q.get_many(timeout=10)]
@@ -172,6 +173,8 @@ def test_bounded_queue_counts_a_batch_of_k_as_k_slots():
         q.put_many(_batch(0, 1), block=False)  # 5 more do not fit in 3 free slots
     with pytest.raises(queue.Full):
         q.put_many(_batch(0, 1), timeout=0.05)
+    with pytest.raises(queue.Full):
+        q.put_many_nowait(_batch(0, 1))
     assert q.qsize() == BATCH  # nothing of the refused batch
     q.put_many(_batch(0, 1)[:3])
     assert q.qsize() == 8 and q.full()
