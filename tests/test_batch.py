@@ -383,8 +383,9 @@ def test_consumer_killed_in_get_many(point, lost, maxsize):
 
 # -- the feeder -----------------------------------------------------------------------------------
 def test_feeder_waits_without_spinning_while_every_payload_memfd_is_unread():
-    """Large pickles travel in memfds (4 per writer end); with all 4 unread, the feeder waits
-    for the oldest's reader instead of polling a socket that has room (a spin)."""
+    """Large pickles travel in memfds (4 per writer end); with all 4 unread, the feeder backs
+    off instead of polling a socket that has room (a spin), and holds no lock meanwhile (a
+    put() never waits for a reader: test_channels' feeder tests)."""
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     q.put_many(_batch(0, 0, large=True))

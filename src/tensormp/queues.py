@@ -105,6 +105,10 @@ _DIRECT_WAIT = 0.001
 # default (208 KiB) holds about 270 small records, fewer than most maxsizes.
 _SNDBUF_MAX = 4 << 20
 _EPOLLEXCLUSIVE = getattr(select, "EPOLLEXCLUSIVE", 1 << 28)
+# A writer whose every payload memfd is unread (connection.py) retries after this back-off
+# (seconds, doubling), holding no lock.
+_IDLE_FIRST = 0.001
+_IDLE_MAX = 0.05
 _sentinel = object()
 _hooks = _testhooks.armed
 
@@ -677,6 +681,7 @@ class Queue(_Receiving):
     ) -> None:
         room = select.poll()
         room.register(writer.fileno(), select.POLLOUT)
+        idle = _IDLE_FIRST
         while True:
             out: Any = None
             try:
@@ -697,12 +702,6 @@ class Queue(_Receiving):
                                 return
                             try:
                                 sent = out.write(writer, False)
-                                if not sent and room.poll(0):
-                                    # The socket has room: every payload memfd of this end is
-                                    # still unread (connection.py). Wait for the oldest's
-                                    # reader; polling for room would return at once, a spin.
-                                    _send_blocking(writer, out, blocked)
-                                    sent = True
                             except OSError as e:
                                 if e.errno != errno.ETOOMANYREFS:
                                     raise
@@ -714,7 +713,15 @@ class Queue(_Receiving):
                         if ledger is not None:
                             ledger.leave()
                     out = None  # sent (the kernel holds the fds now), or back in the buffer
-                    if not sent:
+                    if sent:
+                        idle = _IDLE_FIRST
+                    elif room.poll(0):
+                        # Room in the socket, yet not written: every payload memfd of this end
+                        # is unread (connection.py). Back off holding neither W nor _direct
+                        # (put() never waits for a reader); polling for room returns at once.
+                        time.sleep(idle)
+                        idle = min(2 * idle, _IDLE_MAX)
+                    else:
                         # The socket is full: wait for room *without* holding _direct, so that
                         # put() can write itself once there is room (one thread doing the
                         # writes instead of two taking turns on the GIL for each message).
@@ -861,11 +868,16 @@ class SimpleQueue(_Receiving):
             deadline = time.monotonic() + (timeout or 0.0)
             room = select.poll()
             room.register(writer.fileno(), select.POLLOUT)
+            idle = _IDLE_FIRST
             while not writer.try_send_message(msg):
                 left = deadline - time.monotonic()
                 if not block or left <= 0:
                     raise Full
-                room.poll(max(1, int(left * 1000)))
+                if room.poll(0):  # room, yet not sent: every payload memfd is unread (_feed)
+                    time.sleep(min(idle, left))
+                    idle = min(2 * idle, _IDLE_MAX)
+                else:
+                    room.poll(max(1, int(left * 1000)))
         except BaseException:
             msg.abandon()
             raise
