@@ -6,29 +6,35 @@ The stdlib keeps a bounded queue's free slots and a ``JoinableQueue``'s unfinish
 POSIX semaphores: a process killed between ``acquire`` and ``release`` takes its unit with it,
 for good. Here nothing a process holds outlives it.
 
-**Slots (bounded queues).** The items of a bounded queue are: records in the socket, messages a
-producer accepted but left to its feeder thread (*reserved*), and the record a producer is
-writing. The kernel counts the first kind: the consumers' ``recvmsg`` is the only count of a
-get (a consumer keeps no slot, so its death costs none, and ``get()`` adds no syscall). A
-producer takes the *write lock* ``W`` (an OFD lock, ``F_OFD_SETLKW``, on a byte of the ledger
-file, held by the process's own open file description, so the kernel drops it when the process
-dies) around: the room check, the record's write, and the book-keeping below, all in the
+**Slots (bounded queues).** The items of a bounded queue are: the items of the records in the
+socket, messages a producer accepted but left to its feeder thread (*reserved*), and the record
+a producer is writing. The kernel counts the first kind: the consumers' ``recvmsg`` is the only
+count of a get (a consumer keeps no slot, so its death costs none, and ``get()`` adds no
+syscall). A
+producer takes the *write lock* ``W`` (``flock(LOCK_EX)`` of the ledger file through the
+process's own open file description, so the kernel drops it when the process dies; a ``flock``,
+not a byte-range lock: the kernel does not walk the byte-range locks of rows and task tokens to
+grant it) around: the room check, the record's write, and the book-keeping below, all in the
 ledger file (a memfd every process maps):
 
-* ``S`` records written so far; each record's header carries its number ``S + 1`` (mod 2**32)
-  and ``cum[k]`` (a ring of ``maxsize + 2`` words) the bytes of records ``1..k``;
-* ``D`` a lower bound of the records read; the room check ``S - D + RES < maxsize`` is exact
-  after one ``MSG_PEEK`` of the head record (``D`` = its number - 1, or ``S`` when empty);
+* ``S`` items written so far (a ``put_many`` record holds ``k`` items and takes ``k`` slots);
+  each record's header carries the number of its first item, ``S + 1`` (mod 2**32), and
+  ``cum[j]`` (a ring of ``maxsize + 2`` words, written at each record's last item ``j``) the
+  bytes of the records up to item ``j``;
+* ``D`` a lower bound of the items read; the room check ``S - D + RES + k <= maxsize`` is exact
+  after one ``MSG_PEEK`` of the head record (``D`` = its first item's number - 1, or ``S`` when
+  empty);
 * ``RES`` the reserved messages, and per process (16 bytes at ``16 * pid``) its own share, so
   that a dead producer's reservations can be subtracted (its *row lock*, an OFD lock on
   ``ROW_BASE + pid`` held for life, is gone): done after a blocked ``put()`` waited in vain
   and by ``qsize()``.
 
-A producer killed while holding ``W`` leaves an *intent* (the record's number and length,
-written before its ``sendmsg``): the next holder of ``W`` finds out whether that record was
-sent from ``FIONREAD`` (the bytes of all records in the socket, read between two peeks at the
-same head) against ``cum``, and counts it or not. So ``qsize()`` is exact, and a slot of a
-process that died is free at once (its reservations: within a blocked ``put()``'s back-off).
+A producer killed while holding ``W`` leaves an *intent* (the record's number, item count
+and length, written before its ``sendmsg``): the next holder of ``W`` finds out whether that
+record was sent from ``FIONREAD`` (the bytes of all records in the socket, read between two
+peeks at the same head) against ``cum``, and counts it or not. So ``qsize()`` is exact, and
+a slot of a process that died is free at once (its reservations: within a blocked ``put()``'s
+back-off).
 
 Waiting for a slot: a producer that finds no room adds itself to ``WAITERS`` (and its row)
 *before* it peeks, then sleeps on the *bell*, a datagram socket pair; a consumer that read a
@@ -42,9 +48,11 @@ an OFD byte lock on a random byte of ``[TASK_BASE, TASK_BASE + TASK_SPAN)``; the
 it when the last fd of the description is closed, by ``close()`` or by the death of the last
 process holding one. ``put()`` opens a fresh OFD, locks, and sends its fd *inside the
 message's record* (``SCM_RIGHTS``), then closes its own fd: the kernel holds the token in
-flight, with the message. ``get()`` keeps it until ``task_done()``. A producer killed before
-its ``sendmsg`` frees its task, a consumer killed after its ``recvmsg`` too (the item counts as
-done). ``join()`` waits with ``F_OFD_SETLKW`` for a read lock on the whole task range.
+flight, with the message. ``get()`` keeps it until ``task_done()``; a ``put_many`` record of
+``k`` items carries one token, which its taker keeps until its ``k``-th ``task_done()``. A
+producer killed before its ``sendmsg`` frees its task, a consumer killed after its ``recvmsg``
+too (the item counts as done). ``join()`` waits with ``F_OFD_SETLKW`` for a read lock on the
+whole task range.
 
 **Size of an unbounded queue.** No tokens, no lock: a pair of counters per pid (16 bytes at
 ``16 * pid``; the file is sparse) that only that process writes, one per message put or got;
@@ -86,11 +94,10 @@ _F_OFD_SETLKW = getattr(fcntl, "F_OFD_SETLKW", 38)
 _WR = fcntl.F_WRLCK
 _RD = fcntl.F_RDLCK
 _UN = fcntl.F_UNLCK
-_W_LOCK = _FLOCK.pack(_WR, 0, 1 << 32, 1, 0)
-_W_UNLOCK = _FLOCK.pack(_UN, 0, 1 << 32, 1, 0)
+_LOCK_EX = fcntl.LOCK_EX
+_LOCK_UN = fcntl.LOCK_UN
 
-W_BYTE = 1 << 32  # the write lock of a bounded queue
-ROW_BASE = W_BYTE + 1  # + pid: a producer's row lock, held for its life
+ROW_BASE = (1 << 32) + 1  # + pid: a producer's row lock, held for its life
 TASK_BASE = 1 << 40
 TASK_SPAN = 1 << 40
 NO_SLOT = 0xFFFFFFFF
@@ -106,7 +113,7 @@ _SO_RCVTIMEO = int(socket.SO_RCVTIMEO)
 _TIMEVAL = struct.Struct("ll")
 _NO_VIEW = memoryview(b"").cast("Q")
 # Words of the bounded queue's header (after the per-pid rows), then the ring of cum[].
-_S, _P_LEN, _P_SEQ, _RES, _WAITERS, _D = range(6)
+_S, _P_LEN, _P_SEQ, _RES, _WAITERS, _D, _P_CNT = range(7)
 _LOG = 8
 _SEQ_AT = 16  # offset of the record number ("slot") in a record header
 _RING_MAX = (1 << 16) + 2
@@ -168,12 +175,14 @@ class Token:
     """One unit of a count: an fd of an OFD holding one byte lock (see the module notes).
 
     Closing it gives the unit back. In a fork child, every token of the parent is closed.
+    ``left``: the ``task_done()`` calls that close a task token (the items of its record).
     """
 
-    __slots__ = ("fd",)
+    __slots__ = ("fd", "left")
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, left: int = 1) -> None:
         self.fd = fd
+        self.left = left
         _open[fd] = self
 
     def close(self, _close: Any = os.close) -> None:
@@ -188,7 +197,7 @@ class Token:
             self.close()
 
     def __repr__(self) -> str:
-        return f"<Token fd={self.fd}>"
+        return f"<Token fd={self.fd} left={self.left}>"
 
 
 _open: dict[int, Token] = {}  # this process's open tokens, by fd
@@ -245,6 +254,7 @@ class Ledger:
         self._reclaim_due = False
         self._rcvtimeo = 0  # the bell's SO_RCVTIMEO as this process last set it (ms)
         self.tasks: collections.deque[Token] = collections.deque()
+        self._tlock = threading.Lock()  # around task_done()'s decrement
 
     def __getstate__(self) -> tuple[Any, ...]:
         fds = [self._fd] + ([s.fileno() for s in self._bell] if self._bell else [])
@@ -293,29 +303,43 @@ class Ledger:
         return self._view
 
     # -- slots of a bounded queue: W, room, writes ------------------------------------------------
-    def enter(self, sock: socket.socket, block: bool, timeout: float | None) -> bool:
-        """Take ``W`` and a free slot, waiting up to ``timeout`` seconds (None: forever) if
-        ``block``. True: the caller holds ``W`` and must :meth:`write` or :meth:`reserve`
-        one message, then :meth:`leave`. False: no slot became free in time (nothing held).
+    def enter(self, sock: socket.socket, block: bool, timeout: float | None, k: int = 1) -> bool:
+        """Take ``W`` and ``k`` free slots (``1 <= k <= maxsize``), waiting up to ``timeout``
+        seconds (None: forever) if ``block``. True: the caller holds ``W`` and must
+        :meth:`write` or :meth:`reserve` one record of ``k`` items, then :meth:`leave`.
+        False: the slots did not become free in time (nothing held).
 
         ``sock`` is the queue's reading end (peeked at, never read)."""
+        self._take_w(sock)
+        view, hdr = self._view, self._hdr  # the usual case: room, by the counts alone
+        taken = view[hdr + _S] - view[hdr + _D] + view[hdr + _RES]
+        if taken <= self.maxsize - k and not self._reclaim_due:
+            return True
+        return self._wait_room(sock, block, timeout, k)
+
+    def _wait_room(self, sock: socket.socket, block: bool, timeout: float | None, k: int) -> bool:
+        """:meth:`enter` when the counts show no room: peek, wait for rings (called holding
+        W; returns holding it when True, not holding it when False)."""
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         backoff = _BACKOFF_FIRST
-        hdr, maxsize = self._hdr, self.maxsize
+        hdr, room = self._hdr, self.maxsize - k
         waiting = False  # this call is counted in WAITERS
+        held = True
         while True:
-            self._take_w(sock)
+            if not held:
+                self._take_w(sock)
+            held = False
             try:
                 view = self._view
                 if self._reclaim_due:
                     self._reclaim()
-                if not waiting and view[hdr + _S] - view[hdr + _D] + view[hdr + _RES] < maxsize:
+                if not waiting and view[hdr + _S] - view[hdr + _D] + view[hdr + _RES] <= room:
                     return True
                 if not waiting:  # first count us, then look (see the module notes)
                     waiting = True
                     self._wait_count(1)
                 self._refresh(sock)
-                if view[hdr + _S] - view[hdr + _D] + view[hdr + _RES] < maxsize:
+                if view[hdr + _S] - view[hdr + _D] + view[hdr + _RES] <= room:
                     waiting = False
                     self._wait_count(-1)
                     return True
@@ -360,7 +384,7 @@ class Ledger:
             mine = self._mine
             if mine < 0:
                 mine = self._claim_row()
-            fcntl.fcntl(mine, _F_OFD_SETLKW, _W_LOCK)
+            fcntl.flock(mine, _LOCK_EX)
         except BaseException:
             self._wlock.release()
             raise
@@ -373,7 +397,7 @@ class Ledger:
 
     def _leave_w(self) -> None:
         try:
-            fcntl.fcntl(self._mine, _F_OFD_SETLK, _W_UNLOCK)
+            fcntl.flock(self._mine, _LOCK_UN)
         finally:
             self._wlock.release()
 
@@ -389,11 +413,11 @@ class Ledger:
             else:
                 raise OSError(errno.EMFILE, f"no free row in {self!r}")
             self._row = row
-            fcntl.fcntl(mine, _F_OFD_SETLKW, _W_LOCK)
+            fcntl.flock(mine, _LOCK_EX)
             try:  # what a dead process left in this row is not ours
                 self._forget_row(row)
             finally:
-                fcntl.fcntl(mine, _F_OFD_SETLK, _W_UNLOCK)
+                fcntl.flock(mine, _LOCK_UN)
         except BaseException:
             os.close(mine)
             raise
@@ -416,7 +440,8 @@ class Ledger:
         view[2 * self._row + 1] += delta
 
     def _refresh(self, sock: socket.socket) -> None:
-        """D from the number of the head record (holding W: no record is being written)."""
+        """D from the number of the head record's first item (holding W: no record is being
+        written)."""
         view, hdr = self._view, self._hdr
         s = view[hdr + _S]
         h = _head(sock)
@@ -446,15 +471,18 @@ class Ledger:
             return False
         return True
 
-    def write(self, writer: Any, data: Any, fds: Any, tokens: Any, block: bool) -> bool:
-        """Write one record through ``writer`` (``Connection.write_record``) holding W, with
-        its intent and count (see the module notes). True when written."""
+    def write(
+        self, writer: Any, data: Any, fds: Any, tokens: Any, block: bool, k: int = 1
+    ) -> bool:
+        """Write one record of ``k`` items through ``writer`` (``Connection.write_record``)
+        holding W, with its intent and count (see the module notes). True when written."""
         view, hdr, ring = self._view, self._hdr, self._ring
         s = view[hdr + _S]
         n = len(data)
         length = HEADER.size + (n if n <= INLINE_MAX else 0)
-        view[hdr + _LOG + (s + 1) % ring] = view[hdr + _LOG + s % ring] + length
+        view[hdr + _LOG + (s + k) % ring] = view[hdr + _LOG + s % ring] + length
         view[hdr + _P_SEQ] = s + 1
+        view[hdr + _P_CNT] = k
         view[hdr + _P_LEN] = length
         try:
             sent: bool = writer.write_record(data, fds, tokens, (s + 1) & _M32, block)
@@ -462,12 +490,13 @@ class Ledger:
             view[hdr + _P_LEN] = 0
             raise
         if sent:
-            view[hdr + _S] = s + 1
+            view[hdr + _S] = s + k
         view[hdr + _P_LEN] = 0
         return sent
 
     def reserve(self, count: int = 1) -> None:
-        """Count a message left to the feeder (holding W); ``-1`` once written or dropped."""
+        """Count the ``count`` items of a record left to the feeder (holding W); ``-count``
+        once written or dropped."""
         view = self._view
         view[self._hdr + _RES] += count
         view[2 * self._row] += count
@@ -475,13 +504,14 @@ class Ledger:
     def _resolve(self, sock: socket.socket) -> None:
         """The previous holder of W died while writing: count its record if it was sent."""
         view, hdr = self._view, self._hdr
-        s, length = view[hdr + _S], view[hdr + _P_LEN]
+        s, length, k = view[hdr + _S], view[hdr + _P_LEN], max(1, view[hdr + _P_CNT])
         if view[hdr + _P_SEQ] == s + 1:  # else it was counted already
-            view[hdr + _S] = s + self._sent(sock, s, length)
+            view[hdr + _S] = s + k * self._sent(sock, s, length, k)
         view[hdr + _P_LEN] = 0
 
-    def _sent(self, sock: socket.socket, s: int, length: int) -> int:
-        """1 if record ``s + 1`` (``length`` bytes) is in the socket, else 0 (holding W)."""
+    def _sent(self, sock: socket.socket, s: int, length: int, k: int) -> int:
+        """1 if the record of items ``s + 1 .. s + k`` (``length`` bytes) is in the socket,
+        else 0 (holding W)."""
         view, log, ring = self._view, self._hdr + _LOG, self._ring
         pending = (s + 1) & _M32
         for _ in range(1000):
@@ -491,9 +521,9 @@ class Ledger:
                 continue  # a record was read meanwhile: look again
             if h is None:
                 return 0  # nothing left: sent or not, it is not in the queue
-            inside = 0 if h == pending else (s - h + 1) & _M32  # written ones before it
-            if inside > s or inside > ring - 2:
-                return 1  # beyond the log: count it (at worst one slot too many)
+            inside = 0 if h == pending else (s - h + 1) & _M32  # written items before it
+            if inside > s or inside + k > ring - 2:
+                return 1  # beyond the log: count it (at worst k slots too many)
             before = view[log + s % ring] - view[log + (s - inside) % ring]
             if inq == before + length:
                 return 1
@@ -550,6 +580,27 @@ class Ledger:
             os.close(ofd)
             raise
 
+    def keep_task(self, fd: int, items: int) -> None:
+        """Keep the task token ``fd`` of a record of ``items`` items this process took."""
+        self.tasks.append(Token(fd, items))
+
+    def task_done(self) -> None:
+        """One item this process took is done; the oldest token closes at its last item.
+
+        Raises:
+            ValueError: more calls than items taken.
+        """
+        with self._tlock:  # threads of this process: one decrement at a time
+            tasks = self.tasks
+            if not tasks:
+                raise ValueError("task_done() called too many times")
+            token = tasks[0]
+            token.left -= 1
+            if token.left > 0:
+                return
+            tasks.popleft()
+        token.close()
+
     def unfinished(self) -> bool:
         return _held(self._fd, TASK_BASE, TASK_SPAN) is not None
 
@@ -567,14 +618,14 @@ class Ledger:
         self._ci = 2 * os.getpid()
         return self._ci
 
-    def count(self, got: int) -> None:
-        """Count one message put (``got`` 0) or got (``got`` 1) by this process.
+    def count(self, got: int, n: int = 1) -> None:
+        """Count ``n`` items put (``got`` 0) or got (``got`` 1) by this process.
 
         No lock between this process's threads: with the GIL, ``view[i] += 1`` on a
         memoryview runs without a thread switch between its read and its write (no eval
         breaker check inside it, CPython 3.10-3.13)."""
         ci = self._ci if self._ci >= 0 else self._counter()
-        self._view[ci + got] += 1
+        self._view[ci + got] += n
 
     def size(self) -> int:
         """Puts minus gets of every process that ever counted (at least 0)."""
