@@ -78,6 +78,7 @@ import os
 import select
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -98,6 +99,8 @@ _MAX_RECORDS = 256
 _DATAGRAM = _RECORD.size * _MAX_RECORDS
 _ANC = socket.CMSG_SPACE(_UCRED.size)
 _BATCH_DELAY = 0.001  # seconds the server thread lets records accumulate after a batch
+_HELPED_DELAY = 0.005  # seconds between its looks while other threads read records too
+_MSG_DONTWAIT = int(socket.MSG_DONTWAIT)
 
 
 def pack(op: bytes, seg_id: bytes, offset: int, count: int, token: int = 0) -> bytes:
@@ -126,6 +129,7 @@ class ReleaseServer:
         self._handler = handler
         self._sweep = sweep
         self._read_lock = threading.Lock()  # one reader at a time keeps records in order
+        self.helped = False  # another thread read records since the server thread looked
         self._uid = os.getuid()
         self._thread = threading.Thread(target=self._serve, name="tensormp release", daemon=True)
         self._thread.start()
@@ -140,8 +144,18 @@ class ReleaseServer:
             if now >= next_sweep:  # also under steady traffic, not only when idle
                 self._safely(self._sweep)
                 next_sweep = now + interval
+            wait = max(0.0, next_sweep - time.monotonic())
             try:
-                ready = poller.poll(max(0.0, next_sweep - time.monotonic()) * 1000)
+                if self.helped:
+                    # Another thread of this process read records since we last looked (the
+                    # creator took one of its blocks back: drain_until): it keeps the socket
+                    # short, so look only every _HELPED_DELAY instead of waking (and taking
+                    # the GIL from that thread) for every datagram.
+                    self.helped = False
+                    time.sleep(min(wait, _HELPED_DELAY))
+                    ready = poller.poll(0)
+                else:
+                    ready = poller.poll(wait * 1000)
             except InterruptedError:
                 continue
             if not ready:
@@ -163,10 +177,29 @@ class ReleaseServer:
         with self._read_lock:
             self._drain_locked()
 
+    def drain_until(self, done: Callable[[], bool]) -> None:
+        """Process waiting records, in this thread, until ``done()`` (checked first and after
+        each datagram) or the socket is empty. The creator calls it when one of its blocks
+        comes back with an acquire token: the forwarder sent that acquire before the handle,
+        so it is in the socket already, and reading it here costs one ``recvmsg`` instead of
+        a wake-up of the server thread (which then backs off: see ``helped``). Same rules as
+        :meth:`drain`."""
+        with self._read_lock:
+            sock = self._sock
+            while not done():
+                try:
+                    data, anc, _flags, _addr = sock.recvmsg(_DATAGRAM, _ANC, _MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    return
+                except OSError:
+                    return
+                self.helped = True
+                self._process(data, anc)
+
     def _drain_locked(self) -> bool:
         while True:
             try:
-                data, anc, _flags, _addr = self._sock.recvmsg(_DATAGRAM, _ANC, socket.MSG_DONTWAIT)
+                data, anc, _flags, _addr = self._sock.recvmsg(_DATAGRAM, _ANC, _MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 return True
             except OSError:
@@ -257,23 +290,70 @@ def send_records(address: bytes, data: bytes, block: bool) -> bool:
 
 # Holds and releases are batched per creator: one datagram (and one wake-up of the creator's
 # thread) per batch instead of one or two per array. A batch goes out when it reaches
-# _OUTBOX_MAX records, before this process sends a message, with an acquire, and at the latest _OUTBOX_AGE seconds after its first record (a timer thread, so
-# also when the process is busy elsewhere or idle), and at normal exit. A release of a large
-# block goes at once (its creator may be waiting to reuse it). Records that find a creator's
-# buffer full stay queued, in order, and are tried again by the same triggers. What a receiver
-# SIGKILLed within _OUTBOX_AGE of a receive loses: those holds, so those blocks stay pinned in
-# their creator. Callers hold the allocator lock.
+# _OUTBOX_MAX records, before this process sends a message, with an acquire, and at the latest
+# _OUTBOX_AGE seconds after its first record (the flush thread, so also when the process is busy
+# elsewhere or idle), and at normal exit. A release of a large block goes at once (its creator
+# may be waiting to reuse it). Records that find a creator's buffer full stay queued, in order,
+# and are tried again by the same triggers. What a receiver SIGKILLed within _OUTBOX_AGE of a
+# receive loses: those holds, so those blocks stay pinned in their creator. Callers hold the
+# allocator lock.
 _OUTBOX_MAX = 64
 _OUTBOX_AGE = 0.05
 _outbox: dict[bytes, list[bytes]] = {}
 _outbox_count = 0
 _outbox_since = 0.0
 _flusher: Callable[[], None] | None = None  # takes the allocator lock and flushes
-_timer: threading.Timer | None = None
+
+
+class _FlushThread:
+    """One long-lived daemon thread that runs the flusher ``_OUTBOX_AGE`` after it is armed.
+
+    It sleeps on ``gate`` (a lock held while unarmed: waiting costs no wake-up) and runs at most
+    once per ``_OUTBOX_AGE``, however many records were queued meanwhile. Arming is one
+    attribute test when it is armed already (the common case: every array received arms it).
+    Armed under the allocator lock; the thread clears ``armed`` before it flushes, so a record
+    queued during a flush arms it again. A fork child starts its own (``reset_after_fork``)."""
+
+    __slots__ = ("armed", "gate", "thread")
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.gate = threading.Lock()
+        self.gate.acquire()
+        self.thread: threading.Thread | None = None
+
+    def arm(self) -> None:
+        if self.armed:
+            return
+        self.armed = True
+        if self.thread is None:
+            if sys.is_finalizing():
+                return  # a thread started at shutdown hangs it (the exit flush sends all)
+            self.thread = threading.Thread(target=self._run, name="tensormp flush", daemon=True)
+            self.thread.start()
+        self.gate.release()
+
+    def _run(self) -> None:
+        gate = self.gate
+        while True:
+            gate.acquire()
+            time.sleep(_OUTBOX_AGE)
+            self.armed = False
+            flusher = _flusher
+            if flusher is not None:
+                try:
+                    flusher()
+                except Exception:  # pragma: no cover - a bug; keep the thread
+                    import traceback
+
+                    traceback.print_exc()
+
+
+_flush_thread = _FlushThread()
 
 
 def set_flusher(flush: Callable[[], None]) -> None:
-    """Register the function the flush timer calls (it must take the caller's lock)."""
+    """Register the function the flush thread calls (it must take the caller's lock)."""
     global _flusher
     _flusher = flush
 
@@ -286,21 +366,6 @@ def flush() -> None:
         flusher()
 
 
-def _on_timer() -> None:
-    global _timer
-    _timer = None
-    if _flusher is not None:
-        _flusher()
-
-
-def _arm_timer(force: bool = False) -> None:
-    global _timer
-    if (_outbox_count or force) and _timer is None:
-        _timer = threading.Timer(_OUTBOX_AGE, _on_timer)
-        _timer.daemon = True
-        _timer.start()
-
-
 def post(address: bytes, record: bytes, urgent: bool = False) -> None:
     """Queue a hold or release record for the creator at ``address`` (see above)."""
     global _outbox_count, _outbox_since
@@ -310,13 +375,13 @@ def post(address: bytes, record: bytes, urgent: bool = False) -> None:
     _outbox_count += 1
     if urgent or _outbox_count >= _OUTBOX_MAX:
         post_flush()
-    elif _timer is None:
-        _arm_timer()  # the timer sends the batch at the latest _OUTBOX_AGE from now
+    else:
+        _flush_thread.arm()  # the batch goes out at the latest _OUTBOX_AGE from now
 
 
 def schedule_flush() -> None:
     """Make sure the flusher runs within ``_OUTBOX_AGE`` seconds (unannounced holds wait)."""
-    _arm_timer(force=True)
+    _flush_thread.arm()
 
 
 def take_queued(address: bytes) -> bytes:
@@ -356,14 +421,15 @@ def post_flush(block: bool = False) -> None:
                 break
             # False: the creator is gone and nothing of it can be recycled: drop the records.
     _outbox_since = time.monotonic()
-    _arm_timer()
+    if _outbox_count:  # some creator's buffer was full: try again later
+        _flush_thread.arm()
 
 
 def reset_after_fork() -> None:
-    global _outbox_count, _timer
+    global _outbox_count, _flush_thread
     _outbox.clear()
     _outbox_count = 0
-    _timer = None  # the parent's timer thread does not exist here
+    _flush_thread = _FlushThread()  # the parent's flush thread does not exist here
     for sock in _clients.values():
         try:
             sock.close()
