@@ -786,7 +786,7 @@ class Bench:
 
     # -- pingpong ------------------------------------------------------------------------------
     def pingpong(self) -> None:
-        sizes = [64, 1 * MiB, 64 * MiB]
+        sizes = [64, 4 * KiB, 1 * MiB, 64 * MiB]
         max_reps, budget = (400, 0.2) if self.quick else (2000, 1.0)
         cpus = sorted(os.sched_getaffinity(0))
         pin = (cpus[0], cpus[1]) if len(cpus) >= 2 and not self.args.no_pin else (None, None)
@@ -831,6 +831,20 @@ class Bench:
                       tm / b if tm and b else None, "<= 2x 64B RT", 2.0, "tensormp" in failed)
             row.cells["ref"] = f"64B RT {_fmt_t(b)}"
             self.rows.append(row)
+        if self.have_fifo():  # faster-fifo bounces a 4 KiB array pickled by value (DESIGN.md 5)
+            f_ab, f_ba = _flow_queue("faster-fifo", 0), _flow_queue("faster-fifo", 0)
+            b_ab, b_ba = std.SimpleQueue(), std.SimpleQueue()
+            t = self.trial("faster-fifo", [
+                (_pinger, ("faster-fifo", [4 * KiB], max_reps, budget, pin[0], b_ab, b_ba, f_ab,
+                           f_ba)),
+                (_ponger, ("faster-fifo", pin[1], b_ab, b_ba, f_ab, f_ba)),
+            ], timeout=120)
+            ff = _median(t.results[0].get("times", {}).get(str(4 * KiB), []))
+            tm = res.get("tensormp", {}).get(4 * KiB)
+            print(f"  {'faster-fifo':11s} 4 KiB: {_fmt_t(ff)} [np.empty, pickled]", flush=True)
+            self.rows.append(Row("ping-pong 4 KiB / faster-fifo", {"tensormp": _fmt_t(tm),
+                                 "ref": f"faster-fifo {_fmt_t(ff)}"}, tm / ff if tm and ff else None,
+                                 "<= 0.5x faster-fifo", 0.5, "tensormp" in failed))
 
     @staticmethod
     def _size(n: int) -> str:

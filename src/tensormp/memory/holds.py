@@ -132,11 +132,11 @@ def post_release(st: MemoryState, block: Block, urgent: bool = False) -> None:
     if announced < block.received:
         st.unannounced.discard(block)
         release.post(
-            seg.owner_addr, release.pack(b"D", seg.id, block.offset, block.received - announced),
+            seg.owner_addr, release.pack(b"D", seg.id, block.offset, block.received - announced, 0),
             urgent,
         )
     if announced:
-        release.post(seg.owner_addr, release.pack(b"R", seg.id, block.offset, announced), urgent)
+        release.post(seg.owner_addr, release.pack(b"R", seg.id, block.offset, announced, 0), urgent)
     block.received = block.announced = 0
 
 
@@ -146,7 +146,7 @@ def announce_holds(st: MemoryState) -> None:
         count = block.received - block.announced
         if count > 0 and not block.local_dead:
             seg = block.segment
-            release.post(seg.owner_addr, release.pack(b"H", seg.id, block.offset, count))
+            release.post(seg.owner_addr, release.pack(b"H", seg.id, block.offset, count, 0))
             block.announced = block.received
     st.unannounced.clear()
 

@@ -103,8 +103,9 @@ _HELPED_DELAY = 0.005  # seconds between its looks while other threads read reco
 _MSG_DONTWAIT = int(socket.MSG_DONTWAIT)
 
 
-def pack(op: bytes, seg_id: bytes, offset: int, count: int, token: int = 0) -> bytes:
-    return _RECORD.pack(op, seg_id, offset, count, token)
+# ``pack(op, segment id, block offset, count, token)`` (token 0 but for an acquire): one
+# record's bytes. The struct's own method, not a wrapper: it runs several times per array.
+pack = _RECORD.pack
 
 
 class ReleaseServer:
@@ -375,13 +376,14 @@ def post(address: bytes, record: bytes, urgent: bool = False) -> None:
     _outbox_count += 1
     if urgent or _outbox_count >= _OUTBOX_MAX:
         post_flush()
-    else:
+    elif not _flush_thread.armed:
         _flush_thread.arm()  # the batch goes out at the latest _OUTBOX_AGE from now
 
 
 def schedule_flush() -> None:
     """Make sure the flusher runs within ``_OUTBOX_AGE`` seconds (unannounced holds wait)."""
-    _flush_thread.arm()
+    if not _flush_thread.armed:
+        _flush_thread.arm()
 
 
 def take_queued(address: bytes) -> bytes:

@@ -132,7 +132,7 @@ class MemoryState:
                     if (seg.id, block.offset) in self.arenas.remote_held:
                         holds.drop_remote(self, block, 1)
                 else:  # we had acquired it for a forward: give that back
-                    release.post(seg.owner_addr, release.pack(b"D", seg.id, block.offset, 1))
+                    release.post(seg.owner_addr, release.pack(b"D", seg.id, block.offset, 1, 0))
 
     # -- roots ----------------------------------------------------------------------------------
     def make_root(self, block: Block) -> np.ndarray:
@@ -201,8 +201,11 @@ class MemoryState:
         return self.server.address
 
     def _on_records(self, pid: int, records: list[tuple[bytes, bytes, int, int, int]]) -> None:
-        with self:
+        self.lock.acquire()
+        try:
             holds.apply_records(self, pid, records)
+        finally:
+            self.unlock()
 
     def _sweep(self) -> None:
         with self:
