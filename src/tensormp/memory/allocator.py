@@ -51,7 +51,7 @@ from . import holds, release
 from .arenas import SMALL_MAX, env_cache_limit
 from .blocks import Block, RootRef
 from .segment import CREATOR_AT, WIRE_SIZE, unpack_wire
-from .state import MemoryState
+from .state import RECENT_MAX_BYTES, MemoryState
 
 __all__ = [
     "Block",
@@ -296,6 +296,8 @@ def attach(
         else:
             block = Block(seg, offset, capacity, False, pid)
             root = st.make_root(block)
+            if capacity <= RECENT_MAX_BYTES and seg.creator_pid != pid:
+                st.keep_recent(root)
         if not block.owned:
             # A hold (holds.py): told lazily (release.py), so a drop before the flush costs
             # one D record.
@@ -387,6 +389,19 @@ def flush_records() -> None:
             holds.announce_holds(st)
             release.post_flush()
     strategies.flush_pending()
+
+
+def _tick() -> None:
+    """The flush thread's turn (``_OUTBOX_AGE`` after it was armed): let the recently received
+    roots go (``MemoryState.recent``), then send what is queued."""
+    st = _state
+    st.lock.acquire()
+    try:
+        recent, st.recent = st.recent, {}
+    finally:
+        st.unlock()
+    del recent  # roots without other views die here: their releases are queued
+    flush_records()
 
 
 def release_all_received() -> None:
@@ -591,7 +606,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-release.set_flusher(flush_records)
+release.set_flusher(flush_records, _tick)
 atexit.register(process_exiting)
 os.register_at_fork(
     before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child

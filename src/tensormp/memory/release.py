@@ -304,6 +304,7 @@ _outbox: dict[bytes, list[bytes]] = {}
 _outbox_count = 0
 _outbox_since = 0.0
 _flusher: Callable[[], None] | None = None  # takes the allocator lock and flushes
+_ticker: Callable[[], None] | None = None  # what the flush thread runs (flushes too)
 
 
 class _FlushThread:
@@ -340,10 +341,10 @@ class _FlushThread:
             gate.acquire()
             time.sleep(_OUTBOX_AGE)
             self.armed = False
-            flusher = _flusher
-            if flusher is not None:
+            tick = _ticker
+            if tick is not None:
                 try:
-                    flusher()
+                    tick()
                 except Exception:  # pragma: no cover - a bug; keep the thread
                     import traceback
 
@@ -353,10 +354,12 @@ class _FlushThread:
 _flush_thread = _FlushThread()
 
 
-def set_flusher(flush: Callable[[], None]) -> None:
-    """Register the function the flush thread calls (it must take the caller's lock)."""
-    global _flusher
+def set_flusher(flush: Callable[[], None], tick: Callable[[], None]) -> None:
+    """Register ``flush`` (sends what is queued, see :func:`flush`) and ``tick``, which the
+    flush thread runs (it flushes too); both take the caller's lock."""
+    global _flusher, _ticker
     _flusher = flush
+    _ticker = tick
 
 
 def flush() -> None:
