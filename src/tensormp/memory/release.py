@@ -24,7 +24,7 @@ from the kernel (``SCM_CREDENTIALS``), never from the record:
   It goes in one datagram with everything else the forwarder has for that creator, in order:
   the records queued before it, then ``H`` for the holds it has not announced yet (the block
   it forwards was usually just received), then the ``A``. A ping-pong thus costs the
-  forwarder one datagram per round trip, and the creator's thread at most one wake-up.
+  forwarder one datagram per round trip, which the creator reads itself (see below).
   The acquire carries a *token* that the forwarded handle carries too (unique among the tokens
   a creator sees: each process steps a random odd 64-bit start by 2, so no ``getrandom`` per
   forward; a fork child starts afresh with its new allocator state): when the creator
@@ -35,11 +35,12 @@ from the kernel (``SCM_CREDENTIALS``), never from the record:
 
 Holds are announced lazily: a rebuild only notes the block (``MemoryState.unannounced``); the
 ``H`` records go out when this process sends a message, exits, or at the latest
-``_OUTBOX_AGE`` after the rebuild (a timer thread, which also runs while the main thread waits
-for the next message). A handle dropped before
-that costs one ``D`` record and no ``H`` at all, which halves the records of a consumer that
-takes arrays one by one and lets each go. What a receiver SIGKILLed before announcing loses
-is the same as for a record still queued: those blocks stay pinned in their creator.
+``_OUTBOX_AGE`` (50 ms) after the rebuild, sent by the *flush thread*: one long-lived daemon
+thread per process, parked on a lock while nothing is queued and armed by the first record
+queued (an attribute test per record), so no thread is started per flush. A handle dropped
+before that costs one ``D`` record and no ``H`` at all. What a receiver SIGKILLed before
+announcing loses is the same as for a record still queued: those blocks stay pinned in their
+creator. The flush thread also ends the grace of recently received roots (``holds.py``).
 
 ``H``, ``R`` and ``D`` never block the caller: they are queued and batched (see ``post``); records
 that find the creator's buffer full stay queued and are sent again, blocking for at most 2 s
@@ -57,14 +58,18 @@ holder): a SIGKILLed receiver cannot pin memory. What it cannot learn: a handle 
 rebuilt (a message dropped unread, a receiver killed before ``get``) pins its block until the
 creator exits. Bounded, visible in ``memory_stats()`` (``remote_held_bytes``), never unsafe.
 
-The creator processes records strictly in arrival order (one reader of its socket at a time)
-but not necessarily at once: its server thread, woken by a datagram, drains everything waiting,
-then sleeps 1 ms so that the next records arrive as a batch (one wake-up per batch, not two per
-ping-pong round trip). Delay is safe because of the order: an ``A`` always precedes, in the same
-socket, every release of the handle it covers, so a count that has reached zero never has an
-unread ``A`` for that block behind it; unread records only postpone a recycling. Before a large
-allocation, the allocating thread drains the socket itself, so a block released just before is
-reused instead of a new segment being made.
+The creator processes records strictly in arrival order (one reader of its socket at a time,
+whichever thread) but not necessarily at once. Delay is safe because of the order: an ``A``
+always precedes, in the same socket, every release of the handle it covers, so a count that has
+reached zero never has an unread ``A`` for that block behind it; unread records only postpone a
+recycling. Who reads: (1) the creator's own thread, when one of its blocks comes back with a
+token (a ping-pong): the forwarder's ``A`` is in the socket already, so ``drain_until`` reads up
+to it with one ``recvmsg``, and the token is matched at once; (2) the server thread otherwise:
+woken by a datagram, it drains everything, then sleeps 1 ms so that the next records come as a
+batch; while other threads read for it (``helped``), it only looks every 5 ms instead of waking,
+and taking the GIL from them, for every datagram; (3) the allocating thread, before a large
+allocation, so a block released just before is reused. A forwarder's blocking send waits only
+while the socket holds ``net.unix.max_dgram_qlen`` (10) datagrams: at most 5 ms with (2).
 
 SIGKILL of the creator: senders get ``ECONNREFUSED`` and stop caring; receivers keep valid
 memory (the kernel frees a memfd only when the last fd and mapping are gone). SIGKILL of a

@@ -20,6 +20,14 @@ pickle whatever the array's size. The bytes themselves never enter the pickle.
   ``np.recarray``, ``np.ma.MaskedArray``, ``np.matrix``...), are pickled the ordinary way
   (by value, keeping their type): the dispatch is on the exact type ``numpy.ndarray``.
 
+Every handle carries its segment's fd, also when the array was shared before (a re-send, a
+ping-pong), and a receiver that maps the segment already closes it: about 2 us a side here.
+Sending it only to receivers that lack the segment is not sound: a queue has many readers and
+the sender cannot know which one takes the message, nor whether it still maps the segment when
+it does; the re-open that would replace the fd (``/proc/<pid>/fd/<n>``) fails once the sender
+and the creator are dead, which the fd in flight survives (the consumer of a producer that was
+SIGKILLed after its ``put`` still gets the array).
+
 This is the per-array hot path of every transfer (a 4 KiB array costs a few microseconds
 here): it takes the allocator's lock once per array, builds no dict, and skips strides and
 offset for the common C-contiguous array.
@@ -38,6 +46,7 @@ import numpy as np
 from .. import memory
 from ..memory.allocator import (
     allocate_sent,
+    attach,
     find_block,
     forget_handle,
     forget_received,
@@ -202,11 +211,13 @@ def rebuild_ndarray(
     readonly: bool,
     token: int = 0,
 ) -> np.ndarray:
-    # A Process argument from our parent's own memory: the parent registered us as holder.
-    parent = current_process_args_parent()
-    announce = token != 0 or not parent or unpack_wire(wire)[2] != parent
+    announce = True
+    if not token:  # (a forwarded handle carries a token; a Process argument never does)
+        # A Process argument from our parent's own memory: the parent registered us as holder.
+        parent = current_process_args_parent()
+        announce = not parent or unpack_wire(wire)[2] != parent
     try:
-        root = memory.attach(wire, take_fd, fd_ref, block_offset, capacity, token, announce)
+        root = attach(wire, take_fd, fd_ref, block_offset, capacity, token, announce)
     except Exception:
         # This handle will never be held here: give the creator its count back, or the block
         # would stay pinned there until it exits.
