@@ -50,7 +50,7 @@ from ..errors import FdLimitError
 from . import holds, release
 from .arenas import SMALL_MAX, env_cache_limit
 from .blocks import Block, RootRef
-from .segment import CREATOR_AT, WIRE_SIZE, unpack_wire
+from .segment import WIRE_SIZE, unpack_wire
 from .state import RECENT_MAX_BYTES, MemoryState
 
 __all__ = [
@@ -259,10 +259,6 @@ def attach(
     """
     seg_id = wire[:16]
     st = _state
-    if token and st.server is not None and wire[CREATOR_AT : CREATOR_AT + 4] == st.pid_bytes:
-        # Our own block, forwarded back: its forwarder's acquire is in our socket already
-        # (sent before the handle). Count it here rather than wait for the server thread.
-        _count_acquire(st, seg_id, offset, token)
     st.lock.acquire()
     try:
         seg = st.segments.get(seg_id)
@@ -312,20 +308,6 @@ def attach(
         return root
     finally:
         st.unlock()
-
-
-def _count_acquire(st: MemoryState, seg_id: bytes, offset: int, token: int) -> None:
-    """Read our release socket until the acquire ``token`` of block ``offset`` of segment
-    ``seg_id`` is counted (or the socket is empty: it was counted earlier, or its block's
-    count went back to zero already)."""
-    remote_held = st.arenas.remote_held
-    key = (seg_id, offset)
-
-    def counted() -> bool:
-        block = remote_held.get(key)
-        return block is None or (block.acquired is not None and token in block.acquired)
-
-    st.server.drain_until(counted)  # type: ignore[union-attr]
 
 
 def register_holder(pid: int, blocks: list[Block]) -> None:

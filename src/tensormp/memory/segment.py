@@ -45,10 +45,7 @@ if TYPE_CHECKING:
     from ..strategies.base import Strategy
     from .blocks import RootRef
 
-__all__ = [
-    "Segment", "format_bytes", "available_memory", "WIRE_SIZE", "STRATEGY_AT", "CREATOR_AT",
-    "unpack_wire",
-]
+__all__ = ["Segment", "format_bytes", "available_memory", "WIRE_SIZE", "STRATEGY_AT", "unpack_wire"]
 
 PAGE_SIZE = mmap.PAGESIZE
 
@@ -71,7 +68,6 @@ _MADV_POPULATE_WRITE = 23
 _WIRE = struct.Struct("<16sQIcB")
 WIRE_SIZE = _WIRE.size
 STRATEGY_AT = WIRE_SIZE - 1  # index of the strategy code in the wire bytes
-CREATOR_AT = 24  # index of the creator's pid (4 bytes, little-endian) in the wire bytes
 _KINDS = {"arena": b"a", "large": b"l"}
 _KIND_NAMES = {v: k for k, v in _KINDS.items()}
 

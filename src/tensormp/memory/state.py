@@ -68,7 +68,7 @@ class MemoryState:
     __slots__ = (
         "lock", "pending", "segments", "root_blocks", "arenas", "foreign", "unannounced",
         "start_times", "early", "held_forever", "fork_acquired",
-        "forked_segments", "exiting", "server", "root_died", "_token", "pid_bytes", "recent",
+        "forked_segments", "exiting", "server", "root_died", "_token", "recent",
     )
 
     def __init__(self, cache_limit: int, root_died: Callable[[RootRef], None]) -> None:
@@ -87,7 +87,6 @@ class MemoryState:
         self.exiting = False
         self.server: release.ReleaseServer | None = None
         self.root_died = root_died
-        self.pid_bytes = self.arenas.pid.to_bytes(4, "little")  # as a segment's wire has it
         self.recent: dict[int, np.ndarray] = {}
         # Acquire tokens (holds.py) only need to differ from the other tokens its creator may
         # see: a random odd start (a fresh one in each process: a fork child gets a new state)
