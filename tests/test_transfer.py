@@ -499,6 +499,53 @@ def test_forward_tells_holds_and_acquire_in_one_datagram():
     _stats_after(lambda s: s["remote_held_bytes"] == 0, 10.0)
 
 
+def _echo_until_none(q_in, q_out):
+    while (a := q_in.get()) is not None:
+        a[0] += 1
+        q_out.put(a)
+        del a
+
+
+def test_ping_pong_sends_no_release_per_round_trip():
+    """An already-shared small block bounced back and forth: the echoer keeps its view of the
+    block for a moment after dropping it, so the next round trip reuses it instead of
+    releasing it (``R``) and announcing a new hold (``H``) every time; the block is still given
+    back once the ping-pong stops."""
+    from tensormp.memory import allocator
+
+    st = allocator._allocator
+    st.address()
+    server = st.server
+    handler = server._handler
+    ops = []
+
+    def spy(pid, records):
+        ops.extend(r[0] for r in records)
+        handler(pid, records)
+
+    ctx = mp.get_context("spawn")
+    q1, q2 = ctx.SimpleQueue(), ctx.SimpleQueue()
+    p = ctx.Process(target=_echo_until_none, args=(q1, q2))
+    server._handler = spy
+    p.start()
+    n = 300
+    try:
+        a = mp.zeros(512, dtype=np.int64)
+        for i in range(n):
+            q1.put(a)
+            a = q2.get()
+            assert a[0] == i + 1
+    finally:
+        q1.put(None)
+        p.join(30)
+        server._handler = handler
+    assert p.exitcode == 0
+    assert ops.count(b"A") >= n - 1  # one acquire per forward, as before
+    assert ops.count(b"R") + ops.count(b"D") <= n // 4, f"{ops.count(b'R')} releases"
+    del a
+    _stats_after(lambda s: s["remote_held_bytes"] == 0, 10.0)
+
+
 def _receive_and_count_threads(q, out, seconds):
     """Receive arrays for ``seconds``, noting every thread seen alive besides the main one
     (by kernel thread id: a new thread's ``ident`` may reuse an old one's)."""

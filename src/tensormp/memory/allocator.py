@@ -244,6 +244,7 @@ def attach(
     capacity: int,
     token: int = 0,
     announce: bool = True,
+    keep: bool = False,
 ) -> np.ndarray:
     """Root of the block ``[offset, offset+capacity)`` of a segment sent by another process.
 
@@ -252,7 +253,8 @@ def attach(
     strategy (named by the wire) maps it from ``fd_ref``, calling ``take_fd`` for an fd that
     came with the message. Counts the handle (see ``holds.py``); ``announce`` False: the
     creator already knows this process holds it (a ``Process`` argument its parent
-    registered).
+    registered); ``keep``: the block is shared memory that its sender may send again, so a new
+    root of a small one is kept a while after its last view dies (``MemoryState.keep_recent``).
 
     Raises:
         HandleError: the segment cannot be mapped (its fd or file is missing).
@@ -292,7 +294,7 @@ def attach(
         else:
             block = Block(seg, offset, capacity, False, pid)
             root = st.make_root(block)
-            if capacity <= RECENT_MAX_BYTES and seg.creator_pid != pid:
+            if keep and capacity <= RECENT_MAX_BYTES and seg.creator_pid != pid:
                 st.keep_recent(root)
         if not block.owned:
             # A hold (holds.py): told lazily (release.py), so a drop before the flush costs

@@ -24,8 +24,9 @@
   creator (a forward to a third process): a block's tokens are dropped when its remote count
   reaches zero, when every handle is back and none carrying them can still arrive.
 
-* Recently received roots: a receiver keeps the root of a small block (at most 64 KiB) it
-  received alive until the flush thread's next turn (at most 50 ms, at most 32 roots:
+* Recently received roots: a receiver keeps the root of a small block (at most 64 KiB) that
+  was shared memory in its sender (a re-send, not a fresh copy, which its creator never sends
+  again) alive until the flush thread's next turn (at most 50 ms, at most 32 roots:
   ``MemoryState.keep_recent``), after the last view of it died. The same block received again
   meanwhile (a ping-pong, a block re-sent to a consumer) reuses that root: its hold grows by one
   (``received``), instead of a new root, an ``R`` for the old one and an ``H`` for the new one

@@ -2,13 +2,15 @@
 
 A handle is ``(segment wire, fd index (or file name, for a named segment), block offset, block
 capacity, byte offset of the first element in the block, dtype, shape, strides (None:
-C-contiguous), read-only, acquire token)``, where the *wire* is one bytes object per segment
+C-contiguous), read-only, acquire token, re-sent)``, where the *wire* is one bytes object per segment
 (id, size, creator pid, kind, creator's release address: ``Segment.wire``): about 150 bytes of
 pickle whatever the array's size. The bytes themselves never enter the pickle.
 
 * An array whose memory is a tensormp block (allocated by tensormp, ``share()``d, or received)
   crosses as a handle to that block: both sides see each other's writes; views keep their
   offset, shape and strides.
+  Such a handle is marked *re-sent* (the same block may come again: the receiver keeps the
+  root of a small one a while, see ``memory/holds.py``).
 * Any other array is copied once into a fresh block (keeping C or Fortran order; an array with
   zero or overlapping strides, such as ``np.broadcast_to`` or ``sliding_window_view`` of one,
   is copied element by element in C order) and that block crosses; the receiver gets a shared,
@@ -196,6 +198,7 @@ def reduce_ndarray(a: np.ndarray) -> str | tuple[Any, ...]:
         strides,
         readonly,
         token,
+        found is not None,
     )
 
 
@@ -210,6 +213,7 @@ def rebuild_ndarray(
     strides: tuple[int, ...] | None,
     readonly: bool,
     token: int = 0,
+    keep: bool = False,
 ) -> np.ndarray:
     announce = True
     if not token:  # (a forwarded handle carries a token; a Process argument never does)
@@ -217,7 +221,7 @@ def rebuild_ndarray(
         parent = current_process_args_parent()
         announce = not parent or unpack_wire(wire)[2] != parent
     try:
-        root = attach(wire, take_fd, fd_ref, block_offset, capacity, token, announce)
+        root = attach(wire, take_fd, fd_ref, block_offset, capacity, token, announce, keep)
     except Exception:
         # This handle will never be held here: give the creator its count back, or the block
         # would stay pinned there until it exits.
