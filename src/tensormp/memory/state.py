@@ -33,7 +33,7 @@ from .segment import Segment
 __all__ = ["MemoryState", "RECENT_MAX", "RECENT_MAX_BYTES"]
 
 RECENT_MAX = 32  # roots of received blocks kept after their last view died, at most
-RECENT_MAX_BYTES = 64 << 10  # and only of blocks this small
+RECENT_MAX_BYTES = SMALL_MAX  # and only of arena blocks (1 MiB at most)
 
 
 class MemoryState:
