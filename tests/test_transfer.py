@@ -546,6 +546,31 @@ def test_ping_pong_sends_no_release_per_round_trip():
     _stats_after(lambda s: s["remote_held_bytes"] == 0, 10.0)
 
 
+def _drop_then_empty_cache(q, out):
+    a = q.get()
+    kept = int(a[0])
+    del a
+    before = mp.memory_stats()["segments"]
+    mp.empty_cache()
+    out.put((kept, before, mp.memory_stats()["segments"]))
+
+
+def test_empty_cache_unmaps_a_recently_received_block():
+    """A receiver keeps the view of a re-sent small block a moment after dropping it (for the
+    next round trip); ``empty_cache()`` still unmaps its segment at once."""
+    ctx = mp.get_context("spawn")
+    q, out = ctx.SimpleQueue(), ctx.SimpleQueue()
+    p = ctx.Process(target=_drop_then_empty_cache, args=(q, out))
+    p.start()
+    a = mp.full(512, 7, dtype=np.int64)
+    q.put(a)
+    assert out.get() == (7, 1, 0)
+    p.join(30)
+    assert p.exitcode == 0
+    del a
+    _stats_after(lambda s: s["remote_held_bytes"] == 0, 10.0)
+
+
 def _receive_and_count_threads(q, out, seconds):
     """Receive arrays for ``seconds``, noting every thread seen alive besides the main one
     (by kernel thread id: a new thread's ``ident`` may reuse an old one's)."""

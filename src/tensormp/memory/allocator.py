@@ -562,6 +562,7 @@ def _after_fork_in_child() -> None:
     st.root_blocks = parent.root_blocks
     st.start_times = parent.start_times
     st.held_forever = parent.held_forever
+    st.recent = parent.recent  # (dropped here, their roots would die in this fork hook)
     ours = {id(b) for b in parent.fork_acquired}  # the handles the parent acquired for us
     for block in st.root_blocks.values():
         block.pinned = True

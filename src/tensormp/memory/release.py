@@ -306,7 +306,10 @@ class _FlushThread:
                 return  # a thread started at shutdown hangs it (the exit flush sends all)
             self.thread = threading.Thread(target=self._run, name="tensormp flush", daemon=True)
             self.thread.start()
-        self.gate.release()
+        try:
+            self.gate.release()
+        except RuntimeError:  # pragma: no cover - released already: it runs soon all the same
+            pass
 
     def _run(self) -> None:
         gate = self.gate

@@ -197,7 +197,9 @@ class MemoryState:
     def trim_caches(self) -> None:
         """Unmap what is kept only for reuse: free blocks, unused arenas, cached large segments
         and idle foreign mappings, closing their fds (the lock is held)."""
-        self.recent.clear()  # the roots die when the lock is released (pending)
+        if self.recent:
+            self.recent.clear()
+            self.process_pending()  # their roots died: their segments are idle now, trimmed next
         self.arenas.trim(0)
         self.foreign.trim(0)
 
