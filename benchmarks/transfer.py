@@ -44,7 +44,7 @@ Workloads
     timed in the parent in this run. Targets: steady-state step <= 2x that copy; tensormp's
     first transfer no slower than torch's.
 ``pingpong``: already-shared arrays bounced between two processes.
-    An int64 array from ``tensormp.empty`` (64 B, 1 MiB, 64 MiB) goes back and forth through two
+    An int64 array from ``tensormp.empty`` (64 B, 4 KiB, 1 MiB, 64 MiB) goes back and forth through two
     ``SimpleQueue``; the echoing side increments element 0 (so one page is written and the
     sender checks that it sees the write: the memory really is shared). Timed: ``put`` + the
     ``get`` of the echo, median round trip. Baseline: the round trip of a 64-byte ``bytes``
@@ -54,7 +54,8 @@ Workloads
     trip within one core and one across cores differ by 2-3x, and an unpinned pair lands on
     either, which would make the ratio a coin toss. torch bounces a
     ``share_memory_()`` tensor; the stdlib bounces an ordinary array pickled by value. Target:
-    tensormp round trip <= 2x the baseline, at every size.
+    tensormp round trip <= 2x the baseline, at every size. faster-fifo, when installed, bounces
+    a 4 KiB array pickled by value in the same harness: target tensormp <= 0.5x its round trip.
 ``small`` / ``medium``: 20,000 arrays of 4 KiB / 2,000 arrays of 64 KiB, one by one.
     The producer makes a new float32 array per item (filled with the item number, which the
     consumer checks), puts it on a ``Queue`` and drops it; the consumer times a round of items
