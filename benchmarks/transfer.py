@@ -44,7 +44,7 @@ Workloads
     timed in the parent in this run. Targets: steady-state step <= 2x that copy; tensormp's
     first transfer no slower than torch's.
 ``pingpong``: already-shared arrays bounced between two processes.
-    An int64 array from ``tensormp.empty`` (64 B, 1 MiB, 64 MiB) goes back and forth through two
+    An int64 array from ``tensormp.empty`` (64 B, 4 KiB, 1 MiB, 64 MiB) goes back and forth through two
     ``SimpleQueue``; the echoing side increments element 0 (so one page is written and the
     sender checks that it sees the write: the memory really is shared). Timed: ``put`` + the
     ``get`` of the echo, median round trip. Baseline: the round trip of a 64-byte ``bytes``
@@ -54,7 +54,8 @@ Workloads
     trip within one core and one across cores differ by 2-3x, and an unpinned pair lands on
     either, which would make the ratio a coin toss. torch bounces a
     ``share_memory_()`` tensor; the stdlib bounces an ordinary array pickled by value. Target:
-    tensormp round trip <= 2x the baseline, at every size.
+    tensormp round trip <= 2x the baseline, at every size. faster-fifo, when installed, bounces
+    a 4 KiB array pickled by value in the same harness: target tensormp <= 0.5x its round trip.
 ``small`` / ``medium``: 20,000 arrays of 4 KiB / 2,000 arrays of 64 KiB, one by one.
     The producer makes a new float32 array per item (filled with the item number, which the
     consumer checks), puts it on a ``Queue`` and drops it; the consumer times a round of items
@@ -810,7 +811,7 @@ class Bench:
 
     # -- pingpong ------------------------------------------------------------------------------
     def pingpong(self) -> None:
-        sizes = [64, 1 * MiB, 64 * MiB]
+        sizes = [64, 4 * KiB, 1 * MiB, 64 * MiB]
         max_reps, budget = (400, 0.2) if self.quick else (2000, 1.0)
         cpus = sorted(os.sched_getaffinity(0))
         pin = (cpus[0], cpus[1]) if len(cpus) >= 2 and not self.args.no_pin else (None, None)
@@ -855,6 +856,20 @@ class Bench:
                       tm / b if tm and b else None, "<= 2x 64B RT", 2.0, "tensormp" in failed)
             row.cells["ref"] = f"64B RT {_fmt_t(b)}"
             self.rows.append(row)
+        if self.have_fifo():  # faster-fifo bounces a 4 KiB array pickled by value (DESIGN.md 5)
+            f_ab, f_ba = _flow_queue("faster-fifo", 0), _flow_queue("faster-fifo", 0)
+            b_ab, b_ba = std.SimpleQueue(), std.SimpleQueue()
+            t = self.trial("faster-fifo", [
+                (_pinger, ("faster-fifo", [4 * KiB], max_reps, budget, pin[0], b_ab, b_ba, f_ab,
+                           f_ba)),
+                (_ponger, ("faster-fifo", pin[1], b_ab, b_ba, f_ab, f_ba)),
+            ], timeout=120)
+            ff = _median(t.results[0].get("times", {}).get(str(4 * KiB), []))
+            tm = res.get("tensormp", {}).get(4 * KiB)
+            print(f"  {'faster-fifo':11s} 4 KiB: {_fmt_t(ff)} [np.empty, pickled]", flush=True)
+            self.rows.append(Row("ping-pong 4 KiB / faster-fifo", {"tensormp": _fmt_t(tm),
+                                 "ref": f"faster-fifo {_fmt_t(ff)}"}, tm / ff if tm and ff else None,
+                                 "<= 0.5x faster-fifo", 0.5, "tensormp" in failed))
 
     @staticmethod
     def _size(n: int) -> str:

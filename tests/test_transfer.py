@@ -499,6 +499,116 @@ def test_forward_tells_holds_and_acquire_in_one_datagram():
     _stats_after(lambda s: s["remote_held_bytes"] == 0, 10.0)
 
 
+def _echo_until_none(q_in, q_out):
+    while (a := q_in.get()) is not None:
+        a[0] += 1
+        q_out.put(a)
+        del a
+
+
+def test_ping_pong_sends_no_release_per_round_trip():
+    """An already-shared small block bounced back and forth: the echoer keeps its view of the
+    block for a moment after dropping it, so the next round trip reuses it instead of
+    releasing it (``R``) and announcing a new hold (``H``) every time; the block is still given
+    back once the ping-pong stops."""
+    from tensormp.memory import allocator
+
+    st = allocator._allocator
+    st.address()
+    server = st.server
+    handler = server._handler
+    ops = []
+
+    def spy(pid, records):
+        ops.extend(r[0] for r in records)
+        handler(pid, records)
+
+    ctx = mp.get_context("spawn")
+    q1, q2 = ctx.SimpleQueue(), ctx.SimpleQueue()
+    p = ctx.Process(target=_echo_until_none, args=(q1, q2))
+    server._handler = spy
+    p.start()
+    n = 300
+    try:
+        a = mp.zeros(512, dtype=np.int64)
+        for i in range(n):
+            q1.put(a)
+            a = q2.get()
+            assert a[0] == i + 1
+    finally:
+        q1.put(None)
+        p.join(30)
+        server._handler = handler
+    assert p.exitcode == 0
+    assert ops.count(b"A") >= n - 1  # one acquire per forward, as before
+    assert ops.count(b"R") + ops.count(b"D") <= n // 4, f"{ops.count(b'R')} releases"
+    del a
+    _stats_after(lambda s: s["remote_held_bytes"] == 0, 10.0)
+
+
+def _drop_then_empty_cache(q, out):
+    a = q.get()
+    kept = int(a[0])
+    del a
+    before = mp.memory_stats()["segments"]
+    mp.empty_cache()
+    out.put((kept, before, mp.memory_stats()["segments"]))
+
+
+def test_empty_cache_unmaps_a_recently_received_block():
+    """A receiver keeps the view of a re-sent small block a moment after dropping it (for the
+    next round trip); ``empty_cache()`` still unmaps its segment at once."""
+    ctx = mp.get_context("spawn")
+    q, out = ctx.SimpleQueue(), ctx.SimpleQueue()
+    p = ctx.Process(target=_drop_then_empty_cache, args=(q, out))
+    p.start()
+    a = mp.full(512, 7, dtype=np.int64)
+    q.put(a)
+    assert out.get() == (7, 1, 0)
+    p.join(30)
+    assert p.exitcode == 0
+    del a
+    _stats_after(lambda s: s["remote_held_bytes"] == 0, 10.0)
+
+
+def _receive_and_count_threads(q, out, seconds):
+    """Receive arrays for ``seconds``, noting every thread seen alive besides the main one
+    (by kernel thread id: a new thread's ``ident`` may reuse an old one's)."""
+    import time
+
+    seen = set()
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        a = q.get()
+        del a
+        seen.update(t.native_id for t in threading.enumerate() if t is not threading.main_thread())
+    out.put(len(seen))
+    while q.get() is not None:
+        pass
+
+
+def test_receiver_starts_no_thread_per_flush():
+    """Holds and releases of received arrays are flushed at the latest 50 ms after they are
+    queued, by one long-lived thread (it used to be a threading.Timer, a new thread every
+    50 ms while arrays kept arriving)."""
+    ctx = mp.get_context("spawn")
+    q, out = ctx.SimpleQueue(), ctx.SimpleQueue()
+    p = ctx.Process(target=_receive_and_count_threads, args=(q, out, 1.0))
+    p.start()
+    a = mp.zeros(512, dtype=np.int64)
+    while out.empty() and p.is_alive():
+        q.put(a)
+        threading.Event().wait(0.002)
+    q.put(None)
+    threads = out.get()
+    p.join(30)
+    assert p.exitcode == 0
+    # The flush thread and the idle-mapping reaper (restarted at most once a second).
+    assert threads <= 3, f"the receiver ran {threads} threads in 1 s"
+    del a
+    _stats_after(lambda s: s["remote_held_bytes"] == 0, 10.0)
+
+
 def _survivor_still_protected(go, result, survivor):
     """A holder of a 1 MiB block was SIGKILLed: after the creator's liveness sweep dropped its
     hold, the block stays held for ``survivor`` (new blocks do not reuse it), whose content

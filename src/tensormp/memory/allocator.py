@@ -51,7 +51,7 @@ from . import holds, release
 from .arenas import SMALL_MAX, env_cache_limit
 from .blocks import Block, RootRef
 from .segment import WIRE_SIZE, unpack_wire
-from .state import MemoryState
+from .state import RECENT_MAX_BYTES, MemoryState
 
 __all__ = [
     "Block",
@@ -178,7 +178,8 @@ def note_handle(block: Block) -> tuple[bytes, int]:
     """
     seg = block.segment
     st = _state
-    with st:
+    st.lock.acquire()  # not ``with st``: two calls less on the per-array path
+    try:
         arenas = st.arenas
         if block.owned and block.owner_pid == arenas.pid:
             if block.pinned:
@@ -200,6 +201,8 @@ def note_handle(block: Block) -> tuple[bytes, int]:
         if st.unannounced:
             holds.announce_holds(st)
         records = release.take_queued(addr) + release.pack(b"A", seg.id, block.offset, 1, token)
+    finally:
+        st.unlock()
     if not release.send_records(addr, records, block=True):
         # The creator is alive but did not take the acquire within 2 s (or is gone, in which
         # case nothing is recycled anyway). Never let it recycle early: keep our own view,
@@ -230,7 +233,7 @@ def forget_received(owner_addr: bytes, seg_id: bytes, offset: int, creator_pid: 
     gone, no fd...): release the creator's count for it, as if it had been held and dropped."""
     if owner_addr and creator_pid != _state.arenas.pid:
         with _state:
-            release.post(owner_addr, release.pack(b"D", seg_id, offset, 1), urgent=True)
+            release.post(owner_addr, release.pack(b"D", seg_id, offset, 1, 0), urgent=True)
 
 
 def attach(
@@ -241,6 +244,7 @@ def attach(
     capacity: int,
     token: int = 0,
     announce: bool = True,
+    keep: bool = False,
 ) -> np.ndarray:
     """Root of the block ``[offset, offset+capacity)`` of a segment sent by another process.
 
@@ -249,7 +253,8 @@ def attach(
     strategy (named by the wire) maps it from ``fd_ref``, calling ``take_fd`` for an fd that
     came with the message. Counts the handle (see ``holds.py``); ``announce`` False: the
     creator already knows this process holds it (a ``Process`` argument its parent
-    registered).
+    registered); ``keep``: the block is shared memory that its sender may send again, so a new
+    root of a small one is kept a while after its last view dies (``MemoryState.keep_recent``).
 
     Raises:
         HandleError: the segment cannot be mapped (its fd or file is missing).
@@ -289,6 +294,8 @@ def attach(
         else:
             block = Block(seg, offset, capacity, False, pid)
             root = st.make_root(block)
+            if keep and capacity <= RECENT_MAX_BYTES and seg.creator_pid != pid:
+                st.keep_recent(root)
         if not block.owned:
             # A hold (holds.py): told lazily (release.py), so a drop before the flush costs
             # one D record.
@@ -366,6 +373,19 @@ def flush_records() -> None:
             holds.announce_holds(st)
             release.post_flush()
     strategies.flush_pending()
+
+
+def _tick() -> None:
+    """The flush thread's turn (``_OUTBOX_AGE`` after it was armed): let the recently received
+    roots go (``MemoryState.recent``), then send what is queued."""
+    st = _state
+    st.lock.acquire()
+    try:
+        recent, st.recent = st.recent, {}
+    finally:
+        st.unlock()
+    del recent  # roots without other views die here: their releases are queued
+    flush_records()
 
 
 def release_all_received() -> None:
@@ -508,7 +528,7 @@ def _acquire_for_child_locked(st: MemoryState) -> None:
         return
     for addr, blocks in by_addr.items():
         for block in blocks:
-            release.post(addr, release.pack(b"A", block.segment.id, block.offset, 1))
+            release.post(addr, release.pack(b"A", block.segment.id, block.offset, 1, 0))
     release.post_flush(block=True)
     for addr, blocks in by_addr.items():
         if release.is_pending(addr):  # not taken: protect the child with our own views
@@ -542,6 +562,7 @@ def _after_fork_in_child() -> None:
     st.root_blocks = parent.root_blocks
     st.start_times = parent.start_times
     st.held_forever = parent.held_forever
+    st.recent = parent.recent  # (dropped here, their roots would die in this fork hook)
     ours = {id(b) for b in parent.fork_acquired}  # the handles the parent acquired for us
     for block in st.root_blocks.values():
         block.pinned = True
@@ -570,7 +591,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-release.set_flusher(flush_records)
+release.set_flusher(flush_records, _tick)
 atexit.register(process_exiting)
 os.register_at_fork(
     before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child

@@ -24,6 +24,16 @@
   creator (a forward to a third process): a block's tokens are dropped when its remote count
   reaches zero, when every handle is back and none carrying them can still arrive.
 
+* Recently received roots: a receiver keeps the root of an arena block (at most 1 MiB) that
+  was shared memory in its sender (a re-send, not a fresh copy, which its creator never sends
+  again) alive until the flush thread's next turn (at most 50 ms, at most 32 roots:
+  ``MemoryState.keep_recent``), after the last view of it died. The same block received again
+  meanwhile (a ping-pong, a block re-sent to a consumer) reuses that root: its hold grows by one
+  (``received``), instead of a new root, an ``R`` for the old one and an ``H`` for the new one
+  per round trip; one ``R`` covers them all when the root goes. The creator's recycling of such
+  a block waits up to 50 ms more: what the outbox already does for every record. Blocks with a
+  segment of their own are released at once (their creator may be waiting for them).
+
 Every function here runs with ``MemoryState``'s lock held (the caller's).
 """
 
@@ -142,11 +152,11 @@ def post_release(st: HoldState, block: Block, urgent: bool = False) -> None:
     if announced < block.received:
         st.unannounced.discard(block)
         release.post(
-            seg.owner_addr, release.pack(b"D", seg.id, block.offset, block.received - announced),
+            seg.owner_addr, release.pack(b"D", seg.id, block.offset, block.received - announced, 0),
             urgent,
         )
     if announced:
-        release.post(seg.owner_addr, release.pack(b"R", seg.id, block.offset, announced), urgent)
+        release.post(seg.owner_addr, release.pack(b"R", seg.id, block.offset, announced, 0), urgent)
     block.received = block.announced = 0
 
 
@@ -156,7 +166,7 @@ def announce_holds(st: HoldState) -> None:
         count = block.received - block.announced
         if count > 0 and not block.local_dead:
             seg = block.segment
-            release.post(seg.owner_addr, release.pack(b"H", seg.id, block.offset, count))
+            release.post(seg.owner_addr, release.pack(b"H", seg.id, block.offset, count, 0))
             block.announced = block.received
     st.unannounced.clear()
 

@@ -35,11 +35,12 @@ from the kernel (``SCM_CREDENTIALS``), never from the record:
 
 Holds are announced lazily: a rebuild only notes the block (``MemoryState.unannounced``); the
 ``H`` records go out when this process sends a message, exits, or at the latest
-``_OUTBOX_AGE`` after the rebuild (a timer thread, which also runs while the main thread waits
-for the next message). A handle dropped before
-that costs one ``D`` record and no ``H`` at all, which halves the records of a consumer that
-takes arrays one by one and lets each go. What a receiver SIGKILLed before announcing loses
-is the same as for a record still queued: those blocks stay pinned in their creator.
+``_OUTBOX_AGE`` (50 ms) after the rebuild, sent by the *flush thread*: one long-lived daemon
+thread per process, parked on a lock while nothing is queued and armed by the first record
+queued (an attribute test per record), so no thread is started per flush. A handle dropped
+before that costs one ``D`` record and no ``H`` at all. What a receiver SIGKILLed before
+announcing loses is the same as for a record still queued: those blocks stay pinned in their
+creator. The flush thread also ends the grace of recently received roots (``holds.py``).
 
 ``H``, ``R`` and ``D`` never block the caller: they are queued and batched (see ``post``); records
 that find the creator's buffer full stay queued and are sent again, blocking for at most 2 s
@@ -59,12 +60,15 @@ creator exits. Bounded, visible in ``memory_stats()`` (``remote_held_bytes``), n
 
 The creator processes records strictly in arrival order (one reader of its socket at a time)
 but not necessarily at once: its server thread, woken by a datagram, drains everything waiting,
-then sleeps 1 ms so that the next records arrive as a batch (one wake-up per batch, not two per
-ping-pong round trip). Delay is safe because of the order: an ``A`` always precedes, in the same
-socket, every release of the handle it covers, so a count that has reached zero never has an
-unread ``A`` for that block behind it; unread records only postpone a recycling. Before a large
+then sleeps 1 ms so that the next records arrive as a batch (at most one wake-up per
+millisecond). Delay is safe because of the order: an ``A`` always precedes, in the same socket,
+every release of the handle it covers, so a count that has reached zero never has an unread
+``A`` for that block behind it; unread records only postpone a recycling. Before a large
 allocation, the allocating thread drains the socket itself, so a block released just before is
-reused instead of a new segment being made.
+reused instead of a new segment being made. Measured (issue #25): the server thread reads a
+ping-pong's acquire while the creator's main thread waits for the echo, so its work overlaps the
+round trip; reading it in the main thread when the handle comes back made the round trip slower
+(+15 us), and so did a wake-up per datagram without the 1 ms batching (+35 us).
 
 SIGKILL of the creator: senders get ``ECONNREFUSED`` and stop caring; receivers keep valid
 memory (the kernel frees a memfd only when the last fd and mapping are gone). SIGKILL of a
@@ -78,6 +82,7 @@ import os
 import select
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -98,10 +103,12 @@ _MAX_RECORDS = 256
 _DATAGRAM = _RECORD.size * _MAX_RECORDS
 _ANC = socket.CMSG_SPACE(_UCRED.size)
 _BATCH_DELAY = 0.001  # seconds the server thread lets records accumulate after a batch
+_MSG_DONTWAIT = int(socket.MSG_DONTWAIT)
 
 
-def pack(op: bytes, seg_id: bytes, offset: int, count: int, token: int = 0) -> bytes:
-    return _RECORD.pack(op, seg_id, offset, count, token)
+# ``pack(op, segment id, block offset, count, token)`` (token 0 but for an acquire): one
+# record's bytes. The struct's own method, not a wrapper: it runs several times per array.
+pack = _RECORD.pack
 
 
 class ReleaseServer:
@@ -166,7 +173,7 @@ class ReleaseServer:
     def _drain_locked(self) -> bool:
         while True:
             try:
-                data, anc, _flags, _addr = self._sock.recvmsg(_DATAGRAM, _ANC, socket.MSG_DONTWAIT)
+                data, anc, _flags, _addr = self._sock.recvmsg(_DATAGRAM, _ANC, _MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 return True
             except OSError:
@@ -257,25 +264,78 @@ def send_records(address: bytes, data: bytes, block: bool) -> bool:
 
 # Holds and releases are batched per creator: one datagram (and one wake-up of the creator's
 # thread) per batch instead of one or two per array. A batch goes out when it reaches
-# _OUTBOX_MAX records, before this process sends a message, with an acquire, and at the latest _OUTBOX_AGE seconds after its first record (a timer thread, so
-# also when the process is busy elsewhere or idle), and at normal exit. A release of a large
-# block goes at once (its creator may be waiting to reuse it). Records that find a creator's
-# buffer full stay queued, in order, and are tried again by the same triggers. What a receiver
-# SIGKILLed within _OUTBOX_AGE of a receive loses: those holds, so those blocks stay pinned in
-# their creator. Callers hold the allocator lock.
+# _OUTBOX_MAX records, before this process sends a message, with an acquire, and at the latest
+# _OUTBOX_AGE seconds after its first record (the flush thread, so also when the process is busy
+# elsewhere or idle), and at normal exit. A release of a large block goes at once (its creator
+# may be waiting to reuse it). Records that find a creator's buffer full stay queued, in order,
+# and are tried again by the same triggers. What a receiver SIGKILLed within _OUTBOX_AGE of a
+# receive loses: those holds, so those blocks stay pinned in their creator. Callers hold the
+# allocator lock.
 _OUTBOX_MAX = 64
 _OUTBOX_AGE = 0.05
 _outbox: dict[bytes, list[bytes]] = {}
 _outbox_count = 0
 _outbox_since = 0.0
 _flusher: Callable[[], None] | None = None  # takes the allocator lock and flushes
-_timer: threading.Timer | None = None
+_ticker: Callable[[], None] | None = None  # what the flush thread runs (flushes too)
 
 
-def set_flusher(flush: Callable[[], None]) -> None:
-    """Register the function the flush timer calls (it must take the caller's lock)."""
-    global _flusher
+class _FlushThread:
+    """One long-lived daemon thread that runs the flusher ``_OUTBOX_AGE`` after it is armed.
+
+    It sleeps on ``gate`` (a lock held while unarmed: waiting costs no wake-up) and runs at most
+    once per ``_OUTBOX_AGE``, however many records were queued meanwhile. Arming is one
+    attribute test when it is armed already (the common case: every array received arms it).
+    Armed under the allocator lock; the thread clears ``armed`` before it flushes, so a record
+    queued during a flush arms it again. A fork child starts its own (``reset_after_fork``)."""
+
+    __slots__ = ("armed", "gate", "thread")
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.gate = threading.Lock()
+        self.gate.acquire()
+        self.thread: threading.Thread | None = None
+
+    def arm(self) -> None:
+        if self.armed:
+            return
+        self.armed = True
+        if self.thread is None:
+            if sys.is_finalizing():
+                return  # a thread started at shutdown hangs it (the exit flush sends all)
+            self.thread = threading.Thread(target=self._run, name="tensormp flush", daemon=True)
+            self.thread.start()
+        try:
+            self.gate.release()
+        except RuntimeError:  # pragma: no cover - released already: it runs soon all the same
+            pass
+
+    def _run(self) -> None:
+        gate = self.gate
+        while True:
+            gate.acquire()
+            time.sleep(_OUTBOX_AGE)
+            self.armed = False
+            tick = _ticker
+            if tick is not None:
+                try:
+                    tick()
+                except Exception:  # pragma: no cover - a bug; keep the thread
+                    import traceback
+
+                    traceback.print_exc()
+
+
+_flush_thread = _FlushThread()
+
+
+def set_flusher(flush: Callable[[], None], tick: Callable[[], None]) -> None:
+    """Register ``flush`` (sends what is queued, see :func:`flush`) and ``tick``, which the
+    flush thread runs (it flushes too); both take the caller's lock."""
+    global _flusher, _ticker
     _flusher = flush
+    _ticker = tick
 
 
 def flush() -> None:
@@ -284,21 +344,6 @@ def flush() -> None:
     flusher = _flusher
     if flusher is not None:
         flusher()
-
-
-def _on_timer() -> None:
-    global _timer
-    _timer = None
-    if _flusher is not None:
-        _flusher()
-
-
-def _arm_timer(force: bool = False) -> None:
-    global _timer
-    if (_outbox_count or force) and _timer is None:
-        _timer = threading.Timer(_OUTBOX_AGE, _on_timer)
-        _timer.daemon = True
-        _timer.start()
 
 
 def post(address: bytes, record: bytes, urgent: bool = False) -> None:
@@ -310,13 +355,14 @@ def post(address: bytes, record: bytes, urgent: bool = False) -> None:
     _outbox_count += 1
     if urgent or _outbox_count >= _OUTBOX_MAX:
         post_flush()
-    elif _timer is None:
-        _arm_timer()  # the timer sends the batch at the latest _OUTBOX_AGE from now
+    elif not _flush_thread.armed:
+        _flush_thread.arm()  # the batch goes out at the latest _OUTBOX_AGE from now
 
 
 def schedule_flush() -> None:
     """Make sure the flusher runs within ``_OUTBOX_AGE`` seconds (unannounced holds wait)."""
-    _arm_timer(force=True)
+    if not _flush_thread.armed:
+        _flush_thread.arm()
 
 
 def take_queued(address: bytes) -> bytes:
@@ -356,14 +402,15 @@ def post_flush(block: bool = False) -> None:
                 break
             # False: the creator is gone and nothing of it can be recycled: drop the records.
     _outbox_since = time.monotonic()
-    _arm_timer()
+    if _outbox_count:  # some creator's buffer was full: try again later
+        _flush_thread.arm()
 
 
 def reset_after_fork() -> None:
-    global _outbox_count, _timer
+    global _outbox_count, _flush_thread
     _outbox.clear()
     _outbox_count = 0
-    _timer = None  # the parent's timer thread does not exist here
+    _flush_thread = _FlushThread()  # the parent's flush thread does not exist here
     for sock in _clients.values():
         try:
             sock.close()

@@ -30,7 +30,10 @@ from .blocks import Block, RootRef
 from .foreign import ForeignCache
 from .segment import Segment
 
-__all__ = ["MemoryState"]
+__all__ = ["MemoryState", "RECENT_MAX", "RECENT_MAX_BYTES"]
+
+RECENT_MAX = 32  # roots of received blocks kept after their last view died, at most
+RECENT_MAX_BYTES = SMALL_MAX  # and only of arena blocks (1 MiB at most)
 
 
 class MemoryState:
@@ -54,6 +57,8 @@ class MemoryState:
         start_times: pid -> start time, for holders seen.
         early: acquire tokens whose handle came back before their ``A`` (``holds.py``).
         held_forever: roots kept until exit (a creator did not take an acquire in time).
+        recent: roots of small blocks received lately, by ``id``, kept alive until the flush
+            thread's next turn (see :meth:`keep_recent`).
         fork_acquired: received blocks the next fork child holds one handle to.
         forked_segments: ids of segments alive when this process forked.
         exiting: this process is exiting (``process_exiting`` ran).
@@ -63,7 +68,7 @@ class MemoryState:
     __slots__ = (
         "lock", "pending", "segments", "root_blocks", "arenas", "foreign", "unannounced",
         "start_times", "early", "held_forever", "fork_acquired",
-        "forked_segments", "exiting", "server", "root_died", "_token",
+        "forked_segments", "exiting", "server", "root_died", "_token", "recent",
     )
 
     def __init__(self, cache_limit: int, root_died: Callable[[RootRef], None]) -> None:
@@ -82,6 +87,7 @@ class MemoryState:
         self.exiting = False
         self.server: release.ReleaseServer | None = None
         self.root_died = root_died
+        self.recent: dict[int, np.ndarray] = {}
         # Acquire tokens (holds.py) only need to differ from the other tokens its creator may
         # see: a random odd start (a fresh one in each process: a fork child gets a new state)
         # stepped by 2, instead of a getrandom() call per forward.
@@ -131,7 +137,7 @@ class MemoryState:
                     if (seg.id, block.offset) in self.arenas.remote_held:
                         holds.drop_remote(self, block, 1)
                 else:  # we had acquired it for a forward: give that back
-                    release.post(seg.owner_addr, release.pack(b"D", seg.id, block.offset, 1))
+                    release.post(seg.owner_addr, release.pack(b"D", seg.id, block.offset, 1, 0))
 
     # -- roots ----------------------------------------------------------------------------------
     def make_root(self, block: Block) -> np.ndarray:
@@ -150,6 +156,18 @@ class MemoryState:
         self.root_blocks[ref.root_id] = block
         self.segments[seg.id] = seg
         return root
+
+    def keep_recent(self, root: np.ndarray) -> None:
+        """Keep the new root of a small received block alive until the flush thread's next
+        turn (at most ``_OUTBOX_AGE``, 50 ms; at most :data:`RECENT_MAX` of them). The same
+        block received again meanwhile (a ping-pong, a consumer that sees a block often)
+        reuses the root: no new root, no root death, no ``R`` then ``H`` per round trip, one
+        ``R`` for all of them when it goes. The lock is held."""
+        recent = self.recent
+        if len(recent) >= RECENT_MAX:
+            del recent[next(iter(recent))]  # its death, if any, waits in pending
+        recent[id(root)] = root
+        release.schedule_flush()
 
     def free(self, ref: RootRef) -> None:
         """The root behind ``ref`` died (the lock is held)."""
@@ -179,6 +197,9 @@ class MemoryState:
     def trim_caches(self) -> None:
         """Unmap what is kept only for reuse: free blocks, unused arenas, cached large segments
         and idle foreign mappings, closing their fds (the lock is held)."""
+        if self.recent:
+            self.recent.clear()
+            self.process_pending()  # their roots died: their segments are idle now, trimmed next
         self.arenas.trim(0)
         self.foreign.trim(0)
 
@@ -200,8 +221,11 @@ class MemoryState:
         return self.server.address
 
     def _on_records(self, pid: int, records: list[tuple[bytes, bytes, int, int, int]]) -> None:
-        with self:
+        self.lock.acquire()
+        try:
             holds.apply_records(self, pid, records)
+        finally:
+            self.unlock()
 
     def _sweep(self) -> None:
         with self:

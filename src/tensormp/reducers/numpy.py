@@ -2,13 +2,15 @@
 
 A handle is ``(segment wire, fd index (or file name, for a named segment), block offset, block
 capacity, byte offset of the first element in the block, dtype, shape, strides (None:
-C-contiguous), read-only, acquire token)``, where the *wire* is one bytes object per segment
+C-contiguous), read-only, acquire token, re-sent)``, where the *wire* is one bytes object per segment
 (id, size, creator pid, kind, creator's release address: ``Segment.wire``): about 150 bytes of
 pickle whatever the array's size. The bytes themselves never enter the pickle.
 
 * An array whose memory is a tensormp block (allocated by tensormp, ``share()``d, or received)
   crosses as a handle to that block: both sides see each other's writes; views keep their
   offset, shape and strides.
+  Such a handle is marked *re-sent* (the same block may come again: the receiver keeps the
+  root of a small one a while, see ``memory/holds.py``).
 * Any other array is copied once into a fresh block (keeping C or Fortran order; an array with
   zero or overlapping strides, such as ``np.broadcast_to`` or ``sliding_window_view`` of one,
   is copied element by element in C order) and that block crosses; the receiver gets a shared,
@@ -19,6 +21,14 @@ pickle whatever the array's size. The bytes themselves never enter the pickle.
 * Arrays whose dtype holds Python objects, and numpy subclasses (``np.memmap``,
   ``np.recarray``, ``np.ma.MaskedArray``, ``np.matrix``...), are pickled the ordinary way
   (by value, keeping their type): the dispatch is on the exact type ``numpy.ndarray``.
+
+Every handle carries its segment's fd, also when the array was shared before (a re-send, a
+ping-pong), and a receiver that maps the segment already closes it: about 2 us a side here.
+Sending it only to receivers that lack the segment is not sound: a queue has many readers and
+the sender cannot know which one takes the message, nor whether it still maps the segment when
+it does; the re-open that would replace the fd (``/proc/<pid>/fd/<n>``) fails once the sender
+and the creator are dead, which the fd in flight survives (the consumer of a producer that was
+SIGKILLed after its ``put`` still gets the array).
 
 This is the per-array hot path of every transfer (a 4 KiB array costs a few microseconds
 here): it takes the allocator's lock once per array, builds no dict, and skips strides and
@@ -38,6 +48,7 @@ import numpy as np
 from .. import memory
 from ..memory.allocator import (
     allocate_sent,
+    attach,
     find_block,
     forget_handle,
     forget_received,
@@ -185,6 +196,7 @@ def reduce_ndarray(a: np.ndarray) -> str | tuple[Any, ...]:
         strides,
         readonly,
         token,
+        found is not None,
     )
 
 
@@ -199,12 +211,15 @@ def rebuild_ndarray(
     strides: tuple[int, ...] | None,
     readonly: bool,
     token: int = 0,
+    keep: bool = False,
 ) -> np.ndarray:
-    # A Process argument from our parent's own memory: the parent registered us as holder.
-    parent = current_process_args_parent()
-    announce = token != 0 or not parent or unpack_wire(wire)[2] != parent
+    announce = True
+    if not token:  # (a forwarded handle carries a token; a Process argument never does)
+        # A Process argument from our parent's own memory: the parent registered us as holder.
+        parent = current_process_args_parent()
+        announce = not parent or unpack_wire(wire)[2] != parent
     try:
-        root = memory.attach(wire, take_fd, fd_ref, block_offset, capacity, token, announce)
+        root = attach(wire, take_fd, fd_ref, block_offset, capacity, token, announce, keep)
     except Exception:
         # This handle will never be held here: give the creator its count back, or the block
         # would stay pinned there until it exits.
