@@ -109,13 +109,13 @@ from __future__ import annotations
 # Also importable from here, as before the package split: private names older code used
 # (_CALL, _STARMAP, _Engine, _Task, _prepare, _Progress, _cpu_count), and the worker's functions
 # that pickles made before the split name at this path (_worker_main, _rebuild_raw_fd).
-from .engines.local import _Engine  # noqa: F401
+from .engines.local import Engine as _Engine  # noqa: F401
 from .errors import BrokenPoolError, WorkerLostError
 from .pool import Pool, _cpu_count  # noqa: F401
 from .progress import _Progress  # noqa: F401
 from .results import ApplyResult, AsyncResult, IMapIterator, MapResult
-from .tasks import _prepare, _Task  # noqa: F401
-from .worker import _CALL, _STARMAP, _rebuild_raw_fd, _worker_main  # noqa: F401
+from .tasks import _CALL, _STARMAP, _prepare, _Task  # noqa: F401
+from .worker import _rebuild_raw_fd, _worker_main  # noqa: F401
 
 __all__ = [
     "Pool",

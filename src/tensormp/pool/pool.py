@@ -15,13 +15,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from multiprocessing import util as _mputil
 from typing import Any
 
-from .engines import Engine, EngineConfig, create
-from .engines.base import _RUN
+from .engines import RUN, Engine, EngineConfig, create
 from .errors import BrokenPoolError, WorkerLostError
 from .progress import _Progress
 from .results import AsyncResult, IMapIterator, MapResult
-from .tasks import _Fn, _initargs, _prepare, _Task
-from .worker import _CALL, _MAP, _STARMAP
+from .tasks import _CALL, _MAP, _STARMAP, _Fn, _initargs, _prepare, _Task
 
 
 def _cpu_count() -> int:
@@ -379,7 +377,7 @@ class Pool:
         Raises:
             ValueError: the pool is still running (as the stdlib).
         """
-        if self._engine.state == _RUN:
+        if self._engine.state == RUN:
             raise ValueError("Pool is still running: call close() or terminate() before join()")
         self._engine.join()
 
@@ -397,7 +395,7 @@ class Pool:
 
     def __del__(self, _warn: Any = warnings.warn) -> None:
         engine = self.__dict__.get("_engine")
-        if engine is not None and engine.state == _RUN:
+        if engine is not None and engine.state == RUN:
             _warn(f"unclosed running multiprocessing pool {self!r}", ResourceWarning, source=self)
 
     @property
