@@ -12,7 +12,6 @@ from __future__ import annotations
 import sys
 import threading
 from multiprocessing.pool import RemoteTraceback  # type: ignore[attr-defined]  # not in typeshed
-from typing import Any
 
 import pytest
 
@@ -71,7 +70,7 @@ class Engine(QueueEngine):
             self._deliver(task, False, error)
             return
         self.ran += 1
-        self._deliver(task, True, value) if ok else self._deliver(task, False, unwrap(value))
+        self._deliver(task, ok, value if ok else unwrap(value))
 
     def _closing_done(self) -> bool:
         return not self._has_work()  # no worker of its own to stop

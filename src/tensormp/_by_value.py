@@ -16,8 +16,9 @@ joblib backend at once); a lambda or a local function goes by value; a function 
 method's class of ``__main__`` goes by value when a child that re-imports ``__main__`` would not
 define it, that is, when its ``def`` or ``class`` line in the main module's source is indented
 (under ``if __name__ == "__main__":``). Without source to read (``python -c``, a notebook) a
-function goes by value and a method by reference. Workers kept between calls (the joblib
-backend's) may be older than the function: every function of ``__main__`` goes by value there.
+function goes by value and a method by reference. Workers that may not have the caller's
+``__main__`` as it is (the joblib backend's kept pool, Ray's actors) get every function of
+``__main__`` by value.
 Answers are kept per function and class (weakly).
 
 A function loaded from cloudpickle has globals of its own: a dict holding the values the caller's
@@ -73,17 +74,18 @@ class FnByValue:
 
 
 # -- the rule -----------------------------------------------------------------------------------
-def needs_value(fn: Any, *, kept_workers: bool = False) -> bool:
+def needs_value(fn: Any, *, foreign_workers: bool = False) -> bool:
     """True when a child that re-imports ``__main__`` could not import ``fn`` by name.
 
-    ``kept_workers``: the workers may be older than ``fn`` (a pool kept between calls, as the
-    joblib backend's): every function of ``__main__`` goes by value, and any other callable
-    that is not a function when plain pickle refuses it (:func:`pickles`, arrays skipped).
-    Otherwise a callable that is not a function goes by reference here, and the caller tries
+    ``foreign_workers``: the workers may not have the caller's ``__main__`` as it is now (the
+    joblib backend's pool, kept between calls, may be older than ``fn``; a Ray actor never
+    imports the script): every function of ``__main__`` goes by value, and a callable that is
+    not a function when plain pickle refuses it (:func:`pickles`, arrays skipped). Otherwise
+    a callable that is not a function goes by reference here, and the caller tries
     :func:`pickles` once tensormp's own pickle of it failed.
     """
     if type(fn) is not types.FunctionType:
-        if kept_workers:
+        if foreign_workers:
             return not pickles(fn, skip_arrays=True)
         if type(fn) is types.MethodType:
             return bound_needs_value(fn)  # by value only when its class cannot be found by name
@@ -94,7 +96,7 @@ def needs_value(fn: Any, *, kept_workers: bool = False) -> bool:
         return True  # a lambda or a local function
     if getattr(fn, "__module__", None) != "__main__":
         return False
-    if kept_workers:
+    if foreign_workers:
         return True
     try:
         top = _main_functions.get(fn)

@@ -30,8 +30,9 @@ handle to shared memory (one copy into a shared block for an array not yet share
 one that is). What plain pickle refuses (lambdas, local functions, functions of ``__main__``,
 objects holding them) is pickled *by value* with cloudpickle, one top-level argument at a time,
 so a lambda next to an array does not drag the array into the by-value pickle. Which arguments
-need that is found by a *probe*: a plain pickle into a null sink that skips arrays and tensors,
-so its cost does not grow with their size. Results take the same path back: arrays in results
+need that is found by a *probe* (``_by_value.pickles``): a plain pickle into a null sink that
+skips the arrays and tensors of the reducer table, so its cost does not grow with their size;
+which functions, by the rule of ``_by_value.needs_value`` for workers kept between calls. Results take the same path back: arrays in results
 are copied once into the worker's shared memory, the parent maps them. Functions sent by value
 are unpickled once per worker (cached by their bytes).
 
@@ -201,7 +202,7 @@ def _wire_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 def _wire_fn(fn: Any) -> Any:
     """``fn`` as it travels: itself, or by value when workers may not import it by name (the
     kept pool's workers may be older than the function: ``_by_value.needs_value``)."""
-    if fn is not None and needs_value(fn, kept_workers=True):
+    if fn is not None and needs_value(fn, foreign_workers=True):
         return _by_value(fn, True)
     return fn
 

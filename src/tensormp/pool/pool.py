@@ -126,8 +126,8 @@ class Pool:
         ray_remote_args: ``engine="ray"``: options for each worker actor
             (``actor.options(**ray_remote_args)``), e.g. ``{"num_cpus": 2}`` or
             ``{"resources": {...}}``; default ``{"num_cpus": 1}``.
-        engine_options: further keywords for the engine (an engine added as a module of
-            ``tensormp.pool.engines`` takes its own).
+        engine_options: further keywords for the engine (an engine added with
+            ``tensormp.pool.engines.register_engine`` takes its own: ``docs/engines.md``).
 
     Raises:
         ValueError: ``processes < 1``, ``maxtasksperchild`` not a positive int, an unknown

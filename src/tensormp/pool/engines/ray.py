@@ -102,7 +102,7 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
-from ..._by_value import FnByValue
+from ..._by_value import FnByValue, needs_value
 from ..runner import format_exception, load_fn, run_task, unwrap, wrap
 from ..tasks import _describe, _light_size, _Task
 from .base import LOST_TAIL, TERMINATE, EngineConfig, QueueEngine
@@ -767,7 +767,7 @@ class Engine(QueueEngine):
 
     def _send(self, w: _Actor, task: _Task) -> None:
         wire = task.fn.wire
-        if type(wire) is types.FunctionType and wire.__module__ == "__main__":
+        if type(wire) is types.FunctionType:
             wire = task.fn.wire = _main_by_value(wire, self._ray)
         try:
             if type(wire) in _PACKABLE and _light_size(task) >= 0:
@@ -824,11 +824,12 @@ class Engine(QueueEngine):
 
 
 def _main_by_value(fn: types.FunctionType, ray: Any) -> Any:
-    """A function of the caller's ``__main__`` as it travels to the actors: pickled by value
-    once (Ray would pickle it again for every call, and give each copy globals of its own); the
-    actor binds it to its one ``__mp_main__`` namespace (``_by_value.into_namespace``). Any
-    other function as it is (by reference)."""
-    if fn.__module__ != "__main__":
+    """A function of the caller's ``__main__`` as it travels to the actors, which never import
+    the script (``_by_value.needs_value``): pickled by value once (Ray would pickle it again for
+    every call, and give each copy globals of its own); the actor binds it to its one
+    ``__mp_main__`` namespace (``_by_value.into_namespace``). Any other function as it is (by
+    reference)."""
+    if not needs_value(fn, foreign_workers=True):
         return fn
     return FnByValue(ray.cloudpickle.dumps(fn), f"__main__.{fn.__qualname__}")
 
