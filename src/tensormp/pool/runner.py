@@ -64,7 +64,7 @@ def run_task(
     seconds)`` as the module notes say; raises nothing."""
     t0 = perf_counter()
     try:
-        f = load_fn(fn, cache, main)
+        f = fn if type(fn) is not FnByValue else load_fn(fn, cache, main)
         if kind == _CALL:
             value = f(*args[0], **args[1])
         elif kind == _MAP:

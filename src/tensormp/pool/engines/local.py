@@ -190,7 +190,7 @@ class Engine(QueueEngine):
                 target = self._room_for(msg)  # the manager sent meanwhile: look again
                 if target is None:
                     return False
-            if not self._claim(task):  # a future cancelled before it was sent
+            if task.start is not None and not self._claim(task):  # a future cancelled first
                 return True
             if not target.outstanding:
                 target.head_since = time.monotonic()
@@ -554,7 +554,7 @@ class Engine(QueueEngine):
                 if not self._pending:
                     return True
                 task = self._pop_locked()
-            if not self._claim(task):  # cancelled while it waited
+            if task.start is not None and not self._claim(task):  # cancelled while it waited
                 continue
             target: _Worker = idle if idle is not None else busy  # type: ignore[assignment]
             light = _light_size(task) if batching and task.msg is None else -1

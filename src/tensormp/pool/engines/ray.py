@@ -761,7 +761,7 @@ class Engine(QueueEngine):
             if task.seq in self._alone:
                 self._alone.discard(task.seq)
                 target.alone = True
-            if not self._claim(task):  # cancelled while it waited
+            if task.start is not None and not self._claim(task):  # cancelled while it waited
                 continue
             self._send(target, task)
 
