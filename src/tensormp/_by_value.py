@@ -8,13 +8,18 @@ Protocol note
 the function is needed. The child needs cloudpickle only to *load* the bytes, and imports it
 then; a forked child inherits the callable and gets it by reference.
 
-The rule (:func:`needs_value`): builtins, ``functools.partial`` objects and callable objects go
-by reference (pickled with tensormp's reducers: arrays they hold stay shared); a lambda or a
-local function goes by value; a function or a bound method's class of ``__main__`` goes by
-value when a child that re-imports ``__main__`` would not define it, that is, when its ``def``
-or ``class`` line in the main module's source is indented (under
-``if __name__ == "__main__":``). Without source to read (``python -c``, a notebook) it goes by
-reference, as with the stdlib. Answers are kept per function and class (weakly).
+The rule (:func:`needs_value`, the one place that decides, for ``spawn()``, ``Pool``, the
+executor and the joblib backend): builtins, ``functools.partial`` objects and callable objects
+go by reference (pickled with tensormp's reducers: arrays they hold stay shared) unless plain
+pickle refuses them (:func:`pickles`: the pool's engine asks once tensormp's pickle failed, the
+joblib backend at once); a lambda or a local function goes by value; a function or a bound
+method's class of ``__main__`` goes by value when a child that re-imports ``__main__`` would not
+define it, that is, when its ``def`` or ``class`` line in the main module's source is indented
+(under ``if __name__ == "__main__":``). Without source to read (``python -c``, a notebook) a
+function goes by value and a method by reference. Workers that may not have the caller's
+``__main__`` as it is (the joblib backend's kept pool, Ray's actors) get every function of
+``__main__`` by value.
+Answers are kept per function and class (weakly).
 
 A function loaded from cloudpickle has globals of its own: a dict holding the values the caller's
 module had when it was pickled, one per pickle. Where several functions of the caller's
@@ -39,6 +44,8 @@ from typing import Any
 __all__ = [
     "FnByValue",
     "needs_value",
+    "pickles",
+    "is_array",
     "defined_at_top_level",
     "bound_needs_value",
     "to_value",
@@ -67,11 +74,21 @@ class FnByValue:
 
 
 # -- the rule -----------------------------------------------------------------------------------
-def needs_value(fn: Any) -> bool:
-    """True when a child that re-imports ``__main__`` could not import ``fn`` by name."""
-    if type(fn) is types.MethodType:
-        return bound_needs_value(fn)  # by value only when its class cannot be found by name
+def needs_value(fn: Any, *, foreign_workers: bool = False) -> bool:
+    """True when a child that re-imports ``__main__`` could not import ``fn`` by name.
+
+    ``foreign_workers``: the workers may not have the caller's ``__main__`` as it is now (the
+    joblib backend's pool, kept between calls, may be older than ``fn``; a Ray actor never
+    imports the script): every function of ``__main__`` goes by value, and a callable that is
+    not a function when plain pickle refuses it (:func:`pickles`, arrays skipped). Otherwise
+    a callable that is not a function goes by reference here, and the caller tries
+    :func:`pickles` once tensormp's own pickle of it failed.
+    """
     if type(fn) is not types.FunctionType:
+        if foreign_workers:
+            return not pickles(fn, skip_arrays=True)
+        if type(fn) is types.MethodType:
+            return bound_needs_value(fn)  # by value only when its class cannot be found by name
         # partial, callable object, builtin: by reference (as torch and the stdlib), its object
         # pickled with tensormp's reducers (arrays in it stay shared)
         return False
@@ -79,6 +96,8 @@ def needs_value(fn: Any) -> bool:
         return True  # a lambda or a local function
     if getattr(fn, "__module__", None) != "__main__":
         return False
+    if foreign_workers:
+        return True
     try:
         top = _main_functions.get(fn)
     except TypeError:
@@ -165,6 +184,62 @@ def _main_class_needs_value(cls: type, fn: Any) -> bool:
         if text.startswith(head) and text[len(head) : len(head) + 1] in (b"(", b":", b" "):
             return line[:1].isspace()
     return False
+
+
+# -- what plain pickle takes ----------------------------------------------------------------------
+class _Null:
+    """A file that discards what is written: the probe's sink."""
+
+    def write(self, data: Any) -> int:
+        return len(data)
+
+
+_NULL = _Null()
+_SKIP = (int, (0,))  # what the probe writes instead of an array
+
+
+class _Probe(pickle.Pickler):
+    """Plain pickle that skips what tensormp's reducers send (arrays, tensors), so finding what
+    plain pickle refuses costs no copy of array bytes."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        return _SKIP if is_array(obj) else NotImplemented
+
+
+def pickles(obj: Any, *, skip_arrays: bool = False) -> bool:
+    """Whether plain pickle takes ``obj`` (else it can go only by value, with cloudpickle).
+
+    ``skip_arrays``: arrays and tensors (:func:`is_array`) count as taken without being pickled,
+    so the answer costs no copy of their bytes (an object array is then taken on trust: tensormp's
+    pickler reports what it holds and plain pickle refuses).
+    """
+    try:
+        if skip_arrays:
+            _Probe(_NULL, pickle.HIGHEST_PROTOCOL).dump(obj)
+        else:
+            pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - whatever plain pickle refuses, cloudpickle may take
+        return False
+    return True
+
+
+_array_types: dict[type, bool] = {}  # type -> is_array's answer (bounded: see is_array)
+
+
+def is_array(obj: Any) -> bool:
+    """Whether ``obj`` is an array of a library in the reducer table (``reducers.LIBRARIES``:
+    numpy arrays, torch tensors and storages), which tensormp's reducers send as shared memory.
+    Answers are kept per type."""
+    cls = type(obj)
+    known = _array_types.get(cls)
+    if known is None:
+        from . import reducers  # not at import: a spawn child that sends no arrays needs none
+
+        known = reducers.helpers_for(obj) is not None
+        if len(_array_types) >= 256:
+            _array_types.clear()
+        _array_types[cls] = known
+    return known
 
 
 # -- sending by value ---------------------------------------------------------------------------

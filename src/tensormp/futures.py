@@ -46,8 +46,7 @@ from ._cpus import cpu_count as _cpu_count
 from .pool.engines import Engine, EngineConfig, create
 from .pool.errors import BrokenPoolError, WorkerLostError
 from .pool.progress import _Progress
-from .pool.tasks import _prepare, _Task
-from .pool.worker import _CALL, _STARMAP
+from .pool.tasks import _CALL, _STARMAP, _prepare, _Task
 
 __all__ = ["ProcessPoolExecutor", "TerminatedWorkerError", "BrokenExecutorError"]
 

@@ -30,8 +30,9 @@ handle to shared memory (one copy into a shared block for an array not yet share
 one that is). What plain pickle refuses (lambdas, local functions, functions of ``__main__``,
 objects holding them) is pickled *by value* with cloudpickle, one top-level argument at a time,
 so a lambda next to an array does not drag the array into the by-value pickle. Which arguments
-need that is found by a *probe*: a plain pickle into a null sink that skips arrays and tensors,
-so its cost does not grow with their size. Results take the same path back: arrays in results
+need that is found by a *probe* (``_by_value.pickles``): a plain pickle into a null sink that
+skips the arrays and tensors of the reducer table, so its cost does not grow with their size;
+which functions, by the rule of ``_by_value.needs_value`` for workers kept between calls. Results take the same path back: arrays in results
 are copied once into the worker's shared memory, the parent maps them. Functions sent by value
 are unpickled once per worker (cached by their bytes).
 
@@ -76,7 +77,6 @@ import pickle
 import reprlib
 import sys
 import threading
-import types
 import warnings
 from collections.abc import Callable
 from multiprocessing.pool import RemoteTraceback  # type: ignore[attr-defined]  # not in typeshed
@@ -101,6 +101,7 @@ except ImportError as _e:  # pragma: no cover - exercised without joblib only
     ) from _e
 
 import tensormp
+from tensormp._by_value import is_array, needs_value, pickles
 from tensormp.futures import TerminatedWorkerError as _TensormpTerminatedWorkerError
 from tensormp.pool import Pool, WorkerLostError
 from tensormp.pool.tasks import _initargs
@@ -127,39 +128,6 @@ class TerminatedWorkerError(_TensormpTerminatedWorkerError, _LokyTerminatedWorke
 
 
 # -- what crosses, and how -----------------------------------------------------------------
-class _Null:
-    """A file that discards what is written: the probe's sink."""
-
-    def write(self, data: Any) -> int:
-        return len(data)
-
-
-_NULL = _Null()
-_SKIP = (int, (0,))  # what the probe writes instead of an array
-
-
-class _Probe(pickle.Pickler):
-    """Plain pickle that skips numpy arrays and torch tensors (tensormp's reducers send those),
-    so finding what plain pickle refuses costs no copy of array bytes."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        np = sys.modules.get("numpy")
-        if np is not None and type(obj) is np.ndarray:
-            return _SKIP
-        torch = sys.modules.get("torch")
-        if torch is not None and isinstance(obj, torch.Tensor):
-            return _SKIP
-        return NotImplemented
-
-
-def _pickles(obj: Any) -> bool:
-    try:
-        _Probe(_NULL, pickle.HIGHEST_PROTOCOL).dump(obj)
-    except Exception:  # noqa: BLE001 - whatever plain pickle refuses, cloudpickle may take
-        return False
-    return True
-
-
 _FN_CACHE: dict[bytes, Any] = {}
 _FN_CACHE_MAX = 64
 
@@ -189,7 +157,8 @@ class _ByValue:
         return _loads, (self.data, self.is_function)
 
 
-# Types that always pickle (numpy.ndarray is added once numpy is loaded): no probe for them.
+# Types that always pickle (array types are added as they are met: tensormp's reducers send
+# them): no probe for them.
 _PLAIN: set[type] = {int, float, complex, bool, str, bytes, type(None)}
 
 
@@ -206,12 +175,10 @@ def _wire(obj: Any) -> Any:
     """``obj``, or a by-value wrapper when plain pickle (and so tensormp's) refuses it."""
     if type(obj) in _PLAIN:
         return obj
-    np = sys.modules.get("numpy")
-    if np is not None and np.ndarray not in _PLAIN:
-        _PLAIN.add(np.ndarray)
-        if type(obj) is np.ndarray:
-            return obj
-    if _pickles(obj):
+    if is_array(obj):
+        _PLAIN.add(type(obj))
+        return obj
+    if pickles(obj, skip_arrays=True):
         return obj
     return _by_value(obj, False)
 
@@ -232,18 +199,12 @@ def _wire_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def _needs_value(fn: Any) -> bool:
-    """Functions workers may not import by name: lambdas, local functions, and those of
-    ``__main__`` (a spawn worker re-imports a script only under its guard, and ``python -c``
-    or a notebook not at all)."""
-    if isinstance(fn, types.FunctionType):
-        return "<" in fn.__qualname__ or fn.__module__ == "__main__"
-    return not _pickles(fn)
-
-
 def _wire_fn(fn: Any) -> Any:
-    """``fn`` as it travels: itself, or by value when workers may not import it by name."""
-    return _by_value(fn, True) if fn is not None and _needs_value(fn) else fn
+    """``fn`` as it travels: itself, or by value when workers may not import it by name (the
+    kept pool's workers may be older than the function: ``_by_value.needs_value``)."""
+    if fn is not None and needs_value(fn, foreign_workers=True):
+        return _by_value(fn, True)
+    return fn
 
 
 class _Functions:

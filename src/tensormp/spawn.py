@@ -90,10 +90,6 @@ __all__ = [  # in the order of the API page (docs/api/spawn.md)
     "spawn",
 ]
 
-# pool/tasks.py imports these two from here until the pool asks _by_value itself (#26 part 2).
-_bound_needs_value = _by_value.bound_needs_value
-_defined_at_top_level = _by_value.defined_at_top_level
-
 
 # -- starting -----------------------------------------------------------------------------------
 @contextmanager

@@ -89,9 +89,12 @@ Modules
 * ``errors.py``: :class:`WorkerLostError`, :class:`BrokenPoolError`.
 * ``worker.py``: what runs in a worker process (``_worker_main``), and the messages on its
   channel.
-* ``tasks.py``: a task as the parent holds it (``_Task``), how its callable travels (by name,
-  or by value with cloudpickle), and how error messages name it.
-* ``engines/``: what runs the tasks, behind one interface (``engines/__init__.py``):
+* ``tasks.py``: a task as the parent holds it (``_Task``, its kinds), its callable as it
+  travels (by name, or by value with cloudpickle: ``_by_value.py`` decides), and how error
+  messages name it.
+* ``runner.py``: one task run in a worker (``run_task``), for every engine.
+* ``engines/``: what runs the tasks, behind one interface (``engines/__init__.py``,
+  ``docs/engines.md``):
   ``base.py`` (the task deque, state and flow control every engine shares), ``local.py`` (the
   engine described above: the manager thread and the workers' bookkeeping, dispatch and
   prefetch, dead workers, close and terminate), ``ray.py`` (workers as Ray actors).

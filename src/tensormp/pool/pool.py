@@ -15,13 +15,11 @@ from multiprocessing import util as _mputil
 from typing import Any
 
 from .._cpus import cpu_count as _cpu_count
-from .engines import Engine, EngineConfig, create
-from .engines.base import _RUN
+from .engines import RUN, Engine, EngineConfig, create
 from .errors import BrokenPoolError, WorkerLostError
 from .progress import _Progress
 from .results import AsyncResult, IMapIterator, MapResult
-from .tasks import _Fn, _initargs, _prepare, _Task
-from .worker import _CALL, _MAP, _STARMAP
+from .tasks import _CALL, _MAP, _STARMAP, _Fn, _initargs, _prepare, _Task
 
 
 def _check_chunksize(chunksize: Any) -> None:
@@ -118,8 +116,8 @@ class Pool:
         ray_remote_args: ``engine="ray"``: options for each worker actor
             (``actor.options(**ray_remote_args)``), e.g. ``{"num_cpus": 2}`` or
             ``{"resources": {...}}``; default ``{"num_cpus": 1}``.
-        engine_options: further keywords for the engine (an engine added as a module of
-            ``tensormp.pool.engines`` takes its own).
+        engine_options: further keywords for the engine (an engine added with
+            ``tensormp.pool.engines.register_engine`` takes its own: ``docs/engines.md``).
 
     Raises:
         ValueError: ``processes < 1``, ``maxtasksperchild`` not a positive int, an unknown
@@ -369,7 +367,7 @@ class Pool:
         Raises:
             ValueError: the pool is still running (as the stdlib).
         """
-        if self._engine.state == _RUN:
+        if self._engine.state == RUN:
             raise ValueError("Pool is still running: call close() or terminate() before join()")
         self._engine.join()
 
@@ -387,7 +385,7 @@ class Pool:
 
     def __del__(self, _warn: Any = warnings.warn) -> None:
         engine = self.__dict__.get("_engine")
-        if engine is not None and engine.state == _RUN:
+        if engine is not None and engine.state == RUN:
             _warn(f"unclosed running multiprocessing pool {self!r}", ResourceWarning, source=self)
 
     @property

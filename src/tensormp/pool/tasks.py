@@ -1,55 +1,23 @@
 """A task as the parent holds it: :class:`_Task` (one call or one map chunk, and where its
 answer goes), its callable as it travels (:class:`_Fn`), and the text that names it in errors.
 
-A callable goes by reference when the workers can import it by name (as the stdlib); lambdas,
-local functions, functions defined under ``if __name__ == "__main__":`` and callables that plain
-pickle refuses go by value with cloudpickle (as ``tensormp.spawn``). Shared by
-:class:`tensormp.Pool` and ``tensormp.ProcessPoolExecutor``.
+A callable goes by reference when the workers can import it by name (as the stdlib), else by
+value with cloudpickle; ``_by_value.needs_value`` decides (as for ``tensormp.spawn``). Shared
+by :class:`tensormp.Pool` and ``tensormp.ProcessPoolExecutor``.
 """
 
 from __future__ import annotations
 
-import pickle
 import reprlib
-import types
-import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .. import reducers
+from .. import _by_value, reducers
 from .._by_value import FnByValue
 
-_top_level: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
-
-
-def _needs_value(fn: Any) -> bool:
-    """True when workers cannot import ``fn`` by name (see ``spawn._defined_at_top_level``)."""
-    if type(fn) is types.MethodType:
-        # By reference, as the stdlib: its object is pickled with our reducers (arrays in it
-        # stay shared). By value (a copy of everything it holds) only when the workers could not
-        # find its class by name.
-        from ..spawn import _bound_needs_value
-
-        return _bound_needs_value(fn)
-    if type(fn) is not types.FunctionType:
-        return False  # builtin, partial, callable object: by reference first, as the stdlib
-    if "<" in getattr(fn, "__qualname__", "<"):
-        return True  # lambda or local function
-    if getattr(fn, "__module__", None) != "__main__":
-        return False
-    try:
-        top = _top_level.get(fn)
-    except TypeError:
-        top = None
-    if top is None:
-        from ..spawn import _defined_at_top_level
-
-        top = _defined_at_top_level(fn)
-        try:
-            _top_level[fn] = top
-        except TypeError:
-            pass
-    return not top
+# What a task is (``_Task.kind``): one call, ``args`` being ``(args, kwargs)``; a map chunk,
+# ``args`` a list of items; a starmap chunk, ``args`` a list of argument tuples.
+_CALL, _MAP, _STARMAP = 0, 1, 2
 
 
 class _Fn:
@@ -74,18 +42,16 @@ class _Fn:
         Raises:
             TypeError: cloudpickle is not installed.
         """
-        try:
-            import cloudpickle
-        except ImportError:
-            raise TypeError(
-                f"{self.what}={self.fn!r} cannot be imported by name in a worker (a lambda, a "
-                "local function, a function defined under `if __name__ == \"__main__\":`, or "
-                "an object plain pickle refuses); install cloudpickle (pip install "
-                "'tensormp[cloudpickle]') so tensormp can send it by value, or define it at "
-                "the top level of a module"
-            ) from None
         module = getattr(self.fn, "__module__", None) or "?"
-        self.wire = FnByValue(cloudpickle.dumps(self.fn), f"{module}.{self.name}")
+        self.wire = _by_value.to_value(
+            self.fn,
+            f"{module}.{self.name}",
+            f"{self.what}={self.fn!r} cannot be imported by name in a worker (a lambda, a "
+            "local function, a function defined under `if __name__ == \"__main__\":`, or "
+            "an object plain pickle refuses); install cloudpickle (pip install "
+            "'tensormp[cloudpickle]') so tensormp can send it by value, or define it at "
+            "the top level of a module",
+        )
 
 
 def _prepare(fn: Any, what: str = "func", *, inherited: bool = False) -> _Fn:
@@ -96,7 +62,7 @@ def _prepare(fn: Any, what: str = "func", *, inherited: bool = False) -> _Fn:
     if not callable(fn):
         raise TypeError(f"{what} must be callable, got {type(fn).__name__}: {reprlib.repr(fn)}")
     ref = _Fn(fn, what)
-    if not inherited and _needs_value(fn):
+    if not inherited and _by_value.needs_value(fn):
         ref.to_value()
     return ref
 
@@ -176,11 +142,11 @@ def _light_size(task: _Task) -> int:
     batch of them in one go (one ``dumps`` per batch instead of one per task, and the worker
     one ``loads``). Looking costs well under a microsecond for a tiny task."""
     args = task.args
-    if task.kind == 0:  # _CALL: (args, kwargs)
+    if task.kind == _CALL:  # (args, kwargs)
         values = list(args[0])
         if args[1]:
             values.extend(args[1].values())
-    elif task.kind == 1:  # _MAP: a chunk of items
+    elif task.kind == _MAP:  # a chunk of items
         values = args
     else:  # _STARMAP: a chunk of argument tuples
         if len(args) > _LIGHT_ITEMS:
@@ -202,11 +168,3 @@ def _light_size(task: _Task) -> int:
         else:
             return -1
     return size if size <= _LIGHT_BYTES else -1
-
-
-def _pickles(obj: Any) -> bool:
-    try:
-        pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
-    except Exception:  # noqa: BLE001
-        return False
-    return True

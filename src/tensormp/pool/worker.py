@@ -6,10 +6,9 @@ in the order received, until told to stop, EOF, or ``maxtasksperchild`` tasks.
 
 What crosses the worker's ``Connection`` (pickled with tensormp's reducers):
 
-* parent -> worker: a task ``(seq, fn, kind, args)``: ``kind`` is ``_CALL`` (``args`` is
-  ``(args, kwargs)``), ``_MAP`` (a chunk of items) or ``_STARMAP`` (a chunk of argument tuples);
-  ``fn`` is the callable, or a ``_by_value.FnByValue`` (cloudpickle) kept unpickled in a small
-  cache. A list: a batch, the pickles of several such tasks that carry no fds (tiny tasks sent
+* parent -> worker: a task ``(seq, fn, kind, args)``, run by ``runner.run_task``: ``kind``
+  is one of ``tasks._CALL``, ``_MAP``, ``_STARMAP``; ``fn`` is the callable, or a
+  ``_by_value.FnByValue`` (cloudpickle) kept unpickled in a small cache. A list: a batch, the pickles of several such tasks that carry no fds (tiny tasks sent
   in one message), run and answered one by one as if sent one by one: ``[fns, item...]``, an
   item being a task's own pickle, or for a light task (its arguments only scalars, ``str``,
   ``bytes``: ``tasks._light_size``) the tuple ``(seq, i, kind, args)``, pickled with the batch,
@@ -50,19 +49,16 @@ import signal
 import sys
 import threading
 import types
-from time import perf_counter
-from typing import Any
+from typing import Any, NoReturn
 
 from .. import reducers
-from .._by_value import FnByValue, into_namespace
+from .._by_value import FnByValue, pickles
 from .._fdpass import close_all as _close_all
 from ..connection import NO_SLOT as _NO_SLOT
 from ..errors import FdLimitError
-from .tasks import _pickles
+from .runner import format_exception, load_fn, run_task, wrap
 
-_CALL, _MAP, _STARMAP = 0, 1, 2  # task kinds
 _READY, _INIT_ERROR, _RESULT, _DYING, _RETURNED = 0, 1, 2, 3, 4  # worker -> parent tags
-_FN_CACHE = 16  # functions sent by value that a worker keeps unpickled
 
 
 class _RawFd:
@@ -103,21 +99,6 @@ class _Repr:
         return self.text
 
 
-def _wrap(exc: BaseException) -> Any:
-    from multiprocessing.pool import ExceptionWithTraceback  # type: ignore[attr-defined]  # no stub
-
-    return ExceptionWithTraceback(exc, exc.__traceback__)
-
-
-def _format(exc: BaseException) -> str:
-    import traceback
-
-    try:
-        return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    except BaseException:  # noqa: BLE001 - a broken __str__ must not lose the report
-        return f"{type(exc).__name__}\n"
-
-
 def _send_quietly(conn: Any, obj: Any) -> None:
     try:
         conn.send(obj)
@@ -136,43 +117,10 @@ def _stateless(fn: Any) -> bool:
 _STATELESS = (types.FunctionType, types.BuiltinFunctionType, FnByValue)
 
 
-def _load_fn(fn: Any, cache: dict[bytes, Any], main: dict[str, Any] | None = None) -> Any:
-    """The callable of a task: ``fn`` itself, or a :class:`FnByValue` loaded. A function sent
-    by value is loaded once per worker (its globals then live on between calls, as a module's
-    do in a stdlib worker); any other callable sent by value is loaded afresh for each task.
-    ``main``: the namespace that functions of the caller's ``__main__`` share in this worker
-    (``_by_value.into_namespace``), where the worker has no ``__mp_main__`` of its own."""
-    if not isinstance(fn, FnByValue):
-        return fn
-    loaded = cache.get(fn.data)
-    if loaded is None:
-        loaded = fn.load()
-        if type(loaded) is types.FunctionType:
-            if main is not None and loaded.__module__ == "__main__":
-                loaded = into_namespace(loaded, main)
-            if len(cache) >= _FN_CACHE:
-                cache.pop(next(iter(cache)))
-            cache[fn.data] = loaded
-    return loaded
-
-
-def _run_task(conn: Any, task: Any, cache: dict[bytes, Any]) -> tuple[Any, ...]:
-    seq, fn, kind, args = task
-    t0 = perf_counter()
-    try:
-        f = _load_fn(fn, cache)
-        if kind == _CALL:
-            value = f(*args[0], **args[1])
-        elif kind == _MAP:
-            value = [f(x) for x in args]
-        else:
-            value = [f(*x) for x in args]
-    except Exception as e:
-        return (_RESULT, seq, False, _wrap(e), perf_counter() - t0)
-    except BaseException as e:  # SystemExit, KeyboardInterrupt...: this worker ends with it
-        _send_quietly(conn, (_DYING, seq, _format(e)))
-        raise
-    return (_RESULT, seq, True, value, perf_counter() - t0)
+def _die(conn: Any, seq: Any, exc: BaseException) -> NoReturn:
+    """A task raised ``exc`` (``SystemExit``...): report it (``_DYING``), and end with it."""
+    _send_quietly(conn, (_DYING, seq, format_exception(exc)))
+    raise exc
 
 
 class _Hand:
@@ -244,9 +192,9 @@ def _worker_main(
         pass
     if initializer is not None:
         try:
-            _load_fn(initializer, {})(*initargs)
+            load_fn(initializer, {})(*initargs)
         except BaseException as e:
-            _send_quietly(conn, (_INIT_ERROR, _wrap(e)))
+            _send_quietly(conn, (_INIT_ERROR, wrap(e)))
             sys.exit(1)
     hand = _Hand()
     lock = hand.lock
@@ -280,7 +228,7 @@ def _worker_main(
                     except Exception as e:
                         if hasattr(e, "add_note"):
                             e.add_note("(unpickling the task's callable in the pool worker)")
-                        fn = batch_fns[i] = _LoadFailed(_wrap(e))
+                        fn = batch_fns[i] = _LoadFailed(wrap(e))
                     else:
                         if _stateless(fn):  # the same object whenever it is unpickled
                             batch_fns[i] = fn
@@ -288,13 +236,17 @@ def _worker_main(
                 if type(fn) is _LoadFailed:
                     reply = (_RESULT, seq, False, fn.error, 0.0)
                 else:
-                    reply = _run_task(conn, (seq, fn, kind, args), cache)
+                    ok, value, seconds = run_task(fn, kind, args, cache)
+                    if ok is None:
+                        _die(conn, seq, value)
+                    reply = (_RESULT, seq, ok, value, seconds)
+                    del value
                 del args, fn
         else:
             try:
                 data, fds = conn.recv_message()
             except FdLimitError as e:  # that task was dropped; say so, and go on
-                reply = (_RESULT, None, False, _wrap(e), 0.0)
+                reply = (_RESULT, None, False, wrap(e), 0.0)
             except (EOFError, OSError):  # the parent closed our channel
                 return
         if reply is None:
@@ -306,7 +258,7 @@ def _worker_main(
             except Exception as e:
                 if hasattr(e, "add_note"):
                     e.add_note("(unpickling the task in the pool worker)")
-                reply = (_RESULT, None, False, _wrap(e), 0.0)
+                reply = (_RESULT, None, False, wrap(e), 0.0)
             else:
                 if task is None:
                     return
@@ -324,7 +276,12 @@ def _worker_main(
                 if not hand.running:
                     with lock:
                         hand.running = True
-                reply = _run_task(conn, task, cache)
+                seq, fn, kind, args = task
+                ok, value, seconds = run_task(fn, kind, args, cache)
+                if ok is None:
+                    _die(conn, seq, value)
+                reply = (_RESULT, seq, ok, value, seconds)
+                del value, fn, args
                 del task
         with lock:
             try:
@@ -340,8 +297,8 @@ def _worker_main(
                 error = MaybeEncodingError(e, short)
                 # The pickling error itself travels too (in the instance's __dict__), when it
                 # can: the executor raises it, as concurrent.futures does.
-                error.pickling_error = e if _pickles(e) else None
-                conn.send((_RESULT, reply[1], False, _wrap(error), reply[4]))
+                error.pickling_error = e if pickles(e) else None
+                conn.send((_RESULT, reply[1], False, wrap(error), reply[4]))
             data = batch.pop() if batch else None
             hand.running = data is not None
         reply = None

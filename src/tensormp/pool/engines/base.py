@@ -1,12 +1,15 @@
-"""What every engine shares (:class:`QueueEngine`): the deque of tasks no worker has yet, the
-state (RUN, CLOSE, TERMINATE), broken-ness, imap feeders and their flow control, and the
-manager thread's frame.
+"""What every engine shares: its configuration (:class:`EngineConfig`), its states (``RUN``,
+``CLOSE``, ``TERMINATE``), and :class:`QueueEngine`: the deque of tasks no worker has yet, the
+state, broken-ness, imap feeders and their flow control, the cancellation of tasks not started,
+and the manager thread's loop. How an engine builds on it: ``docs/engines.md``.
 
 Callers' threads (and imap feeders) touch only the deque and the state, under ``_lock``, and
 wake the manager thread (``_wake_locked``, written by the engine). The manager thread owns the
-rest: an engine writes ``_step`` (one turn: dispatch, wait, handle what happened; False once it
-is done) and ``_shutdown`` (stop the workers, fail what is unfinished, free what it holds). A
-bug in ``_step`` breaks the engine with a message saying so instead of hanging its callers.
+rest. Its loop (``_run``): read the state; stop on ``TERMINATE``; ``_dispatch()`` (hand queued
+tasks to workers); on ``CLOSE``, stop once ``_closing_done()``; ``_wait()`` (one round of
+waiting for what happens, and handling it); and at the end, always, ``_shutdown()`` (stop the
+workers, fail what is unfinished, free what it holds). A bug in any of these breaks the engine
+with a message saying so instead of hanging its callers.
 """
 
 from __future__ import annotations
@@ -16,17 +19,54 @@ import dataclasses
 import itertools
 import sys
 import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import BrokenPoolError, WorkerLostError
 from ..tasks import _describe, _Task
-from . import EngineConfig
 
-_RUN, _CLOSE, _TERMINATE = "RUN", "CLOSE", "TERMINATE"  # the engine's states
+# An engine's states (``Engine.state``): running; closed (no new tasks, the workers exit once
+# the queued ones are done); terminated (the workers are stopped, unfinished tasks fail).
+RUN, CLOSE, TERMINATE = "RUN", "CLOSE", "TERMINATE"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What every engine gets from the front end.
+
+    Attributes:
+        processes: number of workers (>= 1); None: the engine's default (the CPUs of this
+            machine, or of the cluster). Read the engine's ``processes`` for the number.
+        initializer: the initializer as it travels (a callable, or a ``_by_value.FnByValue``
+            for ``runner.load_fn``), or None.
+        initargs: its arguments.
+        maxtasks: tasks a worker runs before it is replaced (None: no limit).
+        owner: the front end's name for messages (``"tensormp.Pool"``).
+        lost_error: the exception type of a task whose worker died.
+        broken_error: the exception type of a broken or terminated engine.
+        ctx: the start-method context (the local engine's; others ignore it).
+    """
+
+    processes: int | None
+    initializer: Any
+    initargs: tuple[Any, ...]
+    maxtasks: int | None
+    owner: str
+    lost_error: type[WorkerLostError]
+    broken_error: type[BrokenPoolError]
+    ctx: Any = field(default=None)
+
+
+# The end of the message of a task whose worker was lost (every engine's).
+LOST_TAIL = (
+    " The pool replaced the worker and keeps running; only this task failed, resubmit it if it "
+    "is safe to run again"
+)
 
 
 class QueueEngine:
-    """The task deque, the state, and the manager thread's frame (see the module notes)."""
+    """The task deque, the state, and the manager thread's loop (see the module notes and
+    ``docs/engines.md``)."""
 
     def __init__(self, config: EngineConfig) -> None:
         if config.processes is None:
@@ -46,7 +86,10 @@ class QueueEngine:
         self._room_limit = 4 * self.processes + 4
         self._room_waiters = 0  # feeders waiting in wait_room (an engine may notify only then)
         self._pending: collections.deque[_Task] = collections.deque()
-        self._state = _RUN
+        self._state = RUN
+        # A submit wakes the manager only while this is set: it may be waiting with nothing
+        # to do (an engine that looks at the deque after every event may clear it meanwhile).
+        self._idle = True
         self._broken_msg: str | None = None
         self._broken_cause: BaseException | None = None
         self._feeders = 0
@@ -58,11 +101,33 @@ class QueueEngine:
         """Wake the manager thread (called with ``_lock`` held)."""
         raise NotImplementedError
 
-    def _step(self) -> bool:
+    def _dispatch(self) -> None:
+        """Hand queued tasks to workers that can take them (``_pop_locked``, ``_claim``)."""
+        raise NotImplementedError
+
+    def _closing_done(self) -> bool:
+        """Closed: once no task is left (``_has_work`` and the workers' own), stop the workers;
+        True when they are gone."""
+        raise NotImplementedError
+
+    def _wait(self) -> None:
+        """Wait (a second at most) for something to happen, and handle it: answers (deliver
+        them), deaths, a wake-up."""
         raise NotImplementedError
 
     def _shutdown(self) -> None:
+        """The manager's exit: stop what still runs, fail what is unfinished
+        (``_fail_unfinished``), free what the engine holds, then ``_end_state()``."""
         raise NotImplementedError
+
+    def _start_worker(self) -> None:
+        """Start one worker (``_start`` calls it ``processes`` times). An engine whose workers
+        are another system's has nothing to start."""
+
+    def _send_now(self, task: _Task, feeder: bool) -> bool:
+        """A lone task submitted while nothing is queued: True when the engine handed it to a
+        worker from the caller's thread (the local engine's "Direct send"); False: queue it."""
+        return False
 
     def describe(self) -> str:
         raise NotImplementedError
@@ -92,32 +157,48 @@ class QueueEngine:
             f"Pool not running: this {self.owner} was closed or terminated; create a new one"
         )
 
+    def _refusal(self, feeder: bool = False) -> Exception | None:
+        """What a new task must raise now, or None when it may be queued: the engine is broken,
+        or not running (an imap feeder that started before ``close()`` may still queue: its
+        tasks are part of what the close waits for)."""
+        if self._broken_msg is not None:
+            return self.broken()
+        state = self._state
+        if state == RUN or (feeder and state == CLOSE):
+            return None
+        return self._not_running()
+
     def check_running(self) -> None:
         """Raises: BrokenPoolError (broken), ValueError (closed or terminated, as the stdlib)."""
-        if self._broken_msg is not None:
-            raise self.broken()
-        if self._state != _RUN:
-            raise self._not_running()
+        error = self._refusal()
+        if error is not None:
+            raise error
 
     def submit(self, tasks: list[_Task], *, feeder: bool = False) -> None:
+        """Queue ``tasks`` (``feeder``: from an imap feeder thread).
+
+        Raises: as :meth:`check_running`.
+        """
+        if len(tasks) == 1 and not self._pending and self._send_now(tasks[0], feeder):
+            return
         with self._lock:
-            if self._broken_msg is not None:
-                raise self.broken()
-            if self._state != _RUN and not (feeder and self._state == _CLOSE):
-                raise self._not_running()
+            error = self._refusal(feeder)
+            if error is not None:
+                raise error
             for task in tasks:
-                task.seq = next(self._seq)
+                if not task.seq:  # (set already when the engine tried to send it at once)
+                    task.seq = next(self._seq)
             self._pending.extend(tasks)
-            self._wake_locked()
+            if self._idle:
+                self._wake_locked()
 
     def feeder_started(self) -> None:
         """Raises: as :meth:`check_running` (checked under the lock, so the manager cannot
         finish a close() between the check and the feeder's first task)."""
         with self._lock:
-            if self._broken_msg is not None:
-                raise self.broken()
-            if self._state != _RUN:
-                raise self._not_running()
+            error = self._refusal()
+            if error is not None:
+                raise error
             self._feeders += 1
 
     def feeder_done(self) -> None:
@@ -131,7 +212,7 @@ class QueueEngine:
         with self._room:
             while (
                 len(self._pending) >= self._room_limit
-                and self._state != _TERMINATE
+                and self._state != TERMINATE
                 and self._broken_msg is None
             ):
                 self._room_waiters += 1
@@ -139,7 +220,7 @@ class QueueEngine:
                     self._room.wait()
                 finally:
                     self._room_waiters -= 1
-            if self._state == _TERMINATE:
+            if self._state == TERMINATE:
                 return 0
             return max(1, self._room_limit - len(self._pending))
 
@@ -159,16 +240,16 @@ class QueueEngine:
 
     def close(self) -> None:
         with self._lock:
-            if self._state == _RUN:
-                self._state = _CLOSE
+            if self._state == RUN:
+                self._state = CLOSE
                 self._wake_locked()
 
     def terminate(self) -> None:
         """Stop the workers now; unfinished tasks fail. Waits for it unless called from the
         manager thread itself (a callback)."""
         with self._lock:
-            if self._state != _TERMINATE:
-                self._state = _TERMINATE
+            if self._state != TERMINATE:
+                self._state = TERMINATE
                 self._wake_locked()
                 self._room.notify_all()
         thread = self._thread
@@ -181,7 +262,17 @@ class QueueEngine:
             thread.join()
 
     # -- the manager thread -----------------------------------------------------------------
-    def _start_manager(self) -> None:
+    def _start(self) -> None:
+        """Start the first workers, then the manager thread (the end of an engine's
+        constructor). When a worker cannot start, nothing is left running, and the error is
+        raised."""
+        try:
+            for _ in range(self.processes):
+                self._start_worker()
+        except BaseException:
+            self._state = TERMINATE
+            self._shutdown()
+            raise
         self._thread = threading.Thread(
             target=self._run, name=f"{self.owner} manager", daemon=True
         )
@@ -189,8 +280,15 @@ class QueueEngine:
 
     def _run(self) -> None:
         try:
-            while self._step():
-                pass
+            while True:
+                with self._lock:
+                    state = self._state
+                if state == TERMINATE:
+                    break
+                self._dispatch()
+                if state == CLOSE and self._closing_done():
+                    break
+                self._wait()
         except BaseException as e:  # noqa: BLE001 - a bug here must not hang the callers
             import traceback
 
@@ -202,7 +300,7 @@ class QueueEngine:
                 e,
             )
             with self._lock:
-                self._state = _TERMINATE
+                self._state = TERMINATE
         finally:
             self._shutdown()
 
@@ -210,6 +308,54 @@ class QueueEngine:
         """Tasks queued, or a feeder that may queue more."""
         with self._lock:
             return bool(self._pending) or self._feeders > 0
+
+    def _pop_locked(self) -> _Task:
+        """The oldest queued task, taken off the deque (``_lock`` held, the deque not empty).
+        Feeders waiting for room are woken once half of it is free (they refill it at once)."""
+        task = self._pending.popleft()
+        if self._room_waiters and len(self._pending) <= self._room_limit // 2:
+            self._room.notify_all()
+        return task
+
+    def _take(self) -> _Task | None:
+        """The oldest queued task, or None: ``_pop_locked`` for an engine that takes tasks one
+        at a time."""
+        with self._lock:
+            return self._pop_locked() if self._pending else None
+
+    @staticmethod
+    def _claim(task: _Task) -> bool:
+        """Call before a worker gets ``task``: False when its future was cancelled meanwhile
+        (``task.start``, called once): drop the task, it is not delivered."""
+        start = task.start
+        if start is None:
+            return True
+        task.start = None
+        if start():
+            return True
+        _abandon(task)
+        return False
+
+    def _wants_workers(self) -> bool:
+        """Whether workers that died or retired are to be replaced: not once terminated or
+        broken, nor once closed with no task left."""
+        with self._lock:
+            state = self._state
+            broken = self._broken_msg is not None
+            work = bool(self._pending) or self._feeders > 0
+        return not (state == TERMINATE or broken or (state == CLOSE and not work))
+
+    def _initializer_failed(self, where: str, error: BaseException) -> None:
+        """The initializer raised in a worker (``where``: ``"worker 1234"``): the engine breaks
+        (every worker runs it), chained to ``error``."""
+        init = self._initializer
+        name = getattr(init, "name", None) or getattr(init, "__qualname__", repr(init))
+        self._break(
+            f"{self.owner}: the initializer {name} raised in {where}: "
+            f"{type(error).__name__}: {error}. The pool is broken (every worker runs it); "
+            "fix the initializer and create a new pool",
+            error,
+        )
 
     def _deliver(self, task: _Task, ok: bool, value: Any) -> None:
         task.msg = None  # the argument blocks can be recycled once the worker released them
@@ -244,17 +390,20 @@ class QueueEngine:
                 task.msg.abandon()  # no-op for messages already sent
             error = self._broken_error(
                 f"{self.owner} was terminated (terminate(), shutdown, or the end of its `with` "
-                f"block) before {_describe_task(task)} finished"
+                f"block) before {describe_task(task)} finished"
             )
             self._deliver(task, False, error)
 
     def _end_state(self) -> None:
+        """The manager ended: a running engine counts as terminated (``join()`` returns)."""
         with self._lock:
-            if self._state != _TERMINATE:
-                self._state = _TERMINATE if self._state == _RUN else self._state
+            if self._state == RUN:
+                self._state = TERMINATE
 
 
-def _describe_task(task: _Task) -> str:
+def describe_task(task: _Task) -> str:
+    """How messages name ``task``: ``map(work) chunk 3 of 8 (items 6-7)``,
+    ``apply_async(work, 1, x=2)`` (the ``task`` of a ``lost_error``)."""
     return _describe(task.label)
 
 

@@ -1,17 +1,18 @@
 """The ``local`` engine: worker processes of this machine, each with its own Unix socket; arrays
-in arguments and results cross as shared memory. :class:`Engine` is the interface of
-``engines/__init__.py`` over :class:`_Engine`, which owns the workers, the deque of tasks not yet
-sent, and the *manager thread*. The local engine keeps its own task deque and flow control
-(not ``base.QueueEngine``'s): its callers send tasks to idle workers themselves and its imap
-feeders get room for many tiny tasks at once (#15, "Direct send" and "Prefetch" below).
+in arguments and results cross as shared memory. :class:`Engine` is a ``base.QueueEngine``
+(the task deque, the state, feeders, the manager's loop) that owns the workers (:class:`_Worker`)
+and writes the manager's turns: ``_dispatch``, ``_wait``, ``_closing_done``, ``_shutdown``. Two
+additions of its own, for tiny tasks: callers send a lone task to an idle worker themselves
+("Direct send", ``_send_now``), and imap feeders get room for as many tasks as the workers'
+channels hold ("Prefetch": ``_room_limit`` follows the workers' depths).
 
 Callers' threads (and imap feeders) touch the task deque and the state, under ``_lock``, and
-wake the manager through an eventfd, only when it may be asleep with nothing to do (a manager
-waiting for a worker's answer re-reads the deque when it comes). The manager thread owns the rest
-(once the constructor has started the first workers): it starts replacement workers, pickles and
-sends tasks (a few per worker: see "Prefetch"), reads results and runs the result sinks (callbacks
-included), reaps dead workers, fails or requeues their tasks, and at the end stops the workers
-and closes every fd.
+wake the manager through an eventfd, only when it may be asleep with nothing to do (``_idle``:
+a manager waiting for a worker's answer re-reads the deque when it comes). The manager thread
+owns the rest (once the constructor has started the first workers): it starts replacement
+workers, pickles and sends tasks (a few per worker: see "Prefetch"), reads results and runs the
+result sinks (callbacks included), reaps dead workers, fails or requeues their tasks, and at the
+end stops the workers and closes every fd.
 
 *Direct send.* One exception, for latency: a single task submitted while the deque is empty and
 a worker is idle is pickled and sent by the caller's own thread (no hop through the manager;
@@ -66,16 +67,15 @@ import time
 from typing import Any
 
 from ... import reducers
+from ..._by_value import pickles
 from ...connection import Pipe
 from ...errors import FdLimitError
-from ..errors import BrokenPoolError, WorkerLostError, _signal_name
-from ..tasks import _describe, _light_size, _pickles, _Task
+from ..errors import WorkerLostError, _signal_name
+from ..tasks import _describe, _light_size, _Task
 from ..worker import _DYING, _INIT_ERROR, _READY, _RESULT, _RETURNED, _RawFd, _worker_main
-from . import EngineConfig
-from .base import QueueEngine
+from .base import LOST_TAIL, TERMINATE, EngineConfig, QueueEngine
 
 OPTIONS: tuple[str, ...] = ()  # engine-specific keywords (none)
-_RUN, _CLOSE, _TERMINATE = "RUN", "CLOSE", "TERMINATE"  # the engine's states (Pool.join reads them)
 _WAKE, _CONN, _SENTINEL = 0, 1, 2  # what a polled fd is
 _PREFETCH_MAX_BYTES = 64 << 10  # never queue a bigger message behind a running task (nor send
 # one from a caller's thread)
@@ -131,47 +131,18 @@ class _Worker:
         )
 
 
-class _Engine(QueueEngine):
-    """Workers, the manager thread, and the task deque (the state, close/terminate/join, broken
-    pools and the sinks' delivery are ``base.QueueEngine``'s; the deque, submit and the
-    feeders' room are this engine's own: see "Direct send" and "Prefetch")."""
+class Engine(QueueEngine):
+    """Worker processes of this machine, and the manager thread (see the module notes)."""
 
-    def __init__(
-        self,
-        *,
-        ctx: Any,
-        processes: int,
-        initializer: Any,
-        initargs: tuple[Any, ...],
-        maxtasks: int | None,
-        owner: str,
-        lost_error: type[WorkerLostError],
-        broken_error: type[BrokenPoolError],
-    ) -> None:
-        self.ctx = ctx
-        self.method = ctx.get_start_method()
-        self.processes = processes
-        self.owner = owner
-        self._initializer = initializer
-        self._initargs = tuple(initargs)
-        self._maxtasks = maxtasks
-        self._lost_error = lost_error
-        self._broken_error = broken_error
-        self._lock = threading.Lock()
-        self._room = threading.Condition(self._lock)  # feeders wait here for the deque to drain
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.ctx = config.ctx
+        self.method = self.ctx.get_start_method()
         # Tasks an imap feeder may queue here: a few per worker, or as many as the workers'
         # queues hold when their tasks are tiny (one feeder wake-up per half of it).
-        self._min_room = self._room_limit = 4 * processes + 4
-        self._room_waiters = 0
+        self._min_room = self._room_limit
         self._send_lock = threading.Lock()  # writes to workers' channels (see "Direct send")
-        self._direct = maxtasks is None
-        self._asleep = True  # the manager may wait in poll() with tasks it could send: wake it
-        self._pending: collections.deque[_Task] = collections.deque()
-        self._state = _RUN
-        self._broken_msg: str | None = None
-        self._broken_cause: BaseException | None = None
-        self._feeders = 0
-        self._seq = itertools.count(1)
+        self._direct = self._maxtasks is None
         self._serial = itertools.count(1)
         self.workers: list[_Worker] = []
         self._startup_failures = 0
@@ -182,41 +153,22 @@ class _Engine(QueueEngine):
         self._wake_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._woken = False
         self._register(self._wake_fd, _WAKE, None)
-        try:
-            for _ in range(processes):
-                self._start_worker()
-        except BaseException:
-            self._state = _TERMINATE
-            self._shutdown()
-            raise
-        self._thread = threading.Thread(target=self._run, name=f"{owner} manager", daemon=True)
-        self._thread.start()
+        self._start()
+
+    def describe(self) -> str:
+        pids = [w.pid for w in list(self.workers) if not w.gone]
+        return f"start_method={self.method} pids={pids}"
+
+    def worker_processes(self) -> list[Any]:
+        return [w.process for w in list(self.workers) if not w.gone]
 
     # -- called from any thread -------------------------------------------------------------
-    def submit(self, tasks: list[_Task], *, feeder: bool = False) -> None:
-        if len(tasks) == 1 and self._direct and not self._pending and self._send_direct(
-            tasks[0], feeder
-        ):
-            return
-        with self._lock:
-            if self._broken_msg is not None:
-                raise self.broken()
-            if self._state != _RUN and not (feeder and self._state == _CLOSE):
-                raise ValueError(
-                    f"Pool not running: this {self.owner} was closed or terminated; "
-                    "create a new one"
-                )
-            for task in tasks:
-                if not task.seq:  # (set already when a direct send fell back with its pickle)
-                    task.seq = next(self._seq)
-            self._pending.extend(tasks)
-            if self._asleep:
-                self._wake_locked()
-
-    def _send_direct(self, task: _Task, feeder: bool) -> bool:
+    def _send_now(self, task: _Task, feeder: bool) -> bool:
         """Send ``task`` from the caller's thread to a worker that can take it now: True when
         it was sent (or its future was cancelled); False to leave it to the manager (see
         "Direct send" above)."""
+        if not self._direct:
+            return False
         target = self._room_for(None)
         if target is None:
             return False
@@ -231,21 +183,14 @@ class _Engine(QueueEngine):
         if not self._send_lock.acquire(blocking=False):
             return False
         try:
-            state = self._state
-            if self._broken_msg is not None or not (
-                state == _RUN or (feeder and state == _CLOSE)
-            ):
-                return False
+            if self._refusal(feeder) is not None:
+                return False  # (submit raises it)
             if self._room_for(msg) is not target:
                 target = self._room_for(msg)  # the manager sent meanwhile: look again
                 if target is None:
                     return False
-            if task.start is not None:
-                start, task.start = task.start, None
-                if not start():  # a future cancelled before it was sent
-                    msg.abandon()
-                    task.msg = None
-                    return True
+            if task.start is not None and not self._claim(task):  # a future cancelled first
+                return True
             if not target.outstanding:
                 target.head_since = time.monotonic()
             target.outstanding.append(task)  # before the answer can arrive
@@ -300,14 +245,7 @@ class _Engine(QueueEngine):
             except (KeyError, ValueError):
                 pass
 
-    def _step(self) -> bool:
-        with self._lock:
-            state = self._state
-        if state == _TERMINATE:
-            return False
-        self._dispatch()
-        if state == _CLOSE and self._closing_done():
-            return False
+    def _wait(self) -> None:
         wait = self._balance()
         reducers.flush_release_records()  # what we hold and dropped, before we wait
         events = self._poller.poll(wait * 1000)
@@ -337,7 +275,6 @@ class _Engine(QueueEngine):
                     # atexit handler, a thread that never ends). Every wait is bounded.
                     worker.stop_deadline = None
                     worker.process.kill()
-        return True
 
     def _drain_wake(self) -> None:
         try:
@@ -380,11 +317,7 @@ class _Engine(QueueEngine):
         self._register(process.sentinel, _SENTINEL, worker)
 
     def _replenish(self) -> None:
-        with self._lock:
-            state = self._state
-            broken = self._broken_msg is not None
-            work = bool(self._pending) or self._feeders > 0
-        if state == _TERMINATE or broken or (state == _CLOSE and not work):
+        if not self._wants_workers():
             return
         active = sum(1 for w in self.workers if not (w.retiring or w.stopping or w.eof))
         for _ in range(self.processes - active):
@@ -488,17 +421,8 @@ class _Engine(QueueEngine):
                     self._pending.extendleft(reversed(rest))
             self._deliver(running, False, self._lost(w, code, running, crash))
         elif w.init_error is not None:
-            name = getattr(self._initializer, "name", None) or getattr(
-                self._initializer, "__qualname__", repr(self._initializer)
-            )
-            error = w.init_error
-            self._break(
-                f"{self.owner}: the initializer {name} raised in worker {w.pid}: "
-                f"{type(error).__name__}: {error}. The pool is broken (every worker runs it); "
-                "fix the initializer and create a new pool",
-                error,
-            )
-        elif not w.ready and not w.stopping and self._state != _TERMINATE:
+            self._initializer_failed(f"worker {w.pid}", w.init_error)
+        elif not w.ready and not w.stopping and self._state != TERMINATE:
             self._startup_failures += 1
             how = _exit_text(code)
             if code >= 0:
@@ -577,11 +501,7 @@ class _Engine(QueueEngine):
             )
         elif code >= 0:
             msg += " (the task called os._exit() or sys.exit(), or native code exited)"
-        msg += (
-            ". The pool replaced the worker and keeps running; only this task failed, resubmit "
-            "it if it is safe to run again"
-        )
-        error = self._lost_error(msg, w.pid, code, what)
+        error = self._lost_error(f"{msg}.{LOST_TAIL}", w.pid, code, what)
         error.__cause__ = cause
         return error
 
@@ -599,11 +519,11 @@ class _Engine(QueueEngine):
                     self._send_tasks(w, tasks)
             with self._lock:
                 if not drained:  # we wait for a worker's answer (or exit), and look again then
-                    self._asleep = False
+                    self._idle = False
                     return
                 if self._pending:  # submitted while we sent
                     continue
-                self._asleep = self._hungry()
+                self._idle = self._hungry()
                 return
 
     def _plan(self, planned: dict[_Worker, list[_Task]]) -> bool:
@@ -632,15 +552,9 @@ class _Engine(QueueEngine):
             with self._lock:
                 if not self._pending:
                     return True
-                task = self._pending.popleft()
-                if self._room_waiters and len(self._pending) <= self._room_limit // 2:
-                    self._room.notify_all()  # feeders refill half the room at once
-            if task.start is not None:
-                start, task.start = task.start, None
-                if not start():  # cancelled while it waited
-                    if task.msg is not None:
-                        task.msg.abandon()
-                    continue
+                task = self._pop_locked()
+            if task.start is not None and not self._claim(task):  # cancelled while it waited
+                continue
             target: _Worker = idle if idle is not None else busy  # type: ignore[assignment]
             light = _light_size(task) if batching and task.msg is None else -1
             if light >= 0:  # pickled with the rest of its batch, in _send_tasks
@@ -739,7 +653,7 @@ class _Engine(QueueEngine):
         try:
             task.msg = reducers.dumps((task.seq, task.fn.wire, task.kind, task.args))
         except Exception as e:  # noqa: BLE001 - reported as this task's failure
-            if not task.fn.by_value and not _pickles(task.fn.wire):
+            if not task.fn.by_value and not pickles(task.fn.wire):
                 try:
                     task.fn.to_value()  # plain pickle refused the callable: cloudpickle it
                 except Exception as e2:  # noqa: BLE001
@@ -923,34 +837,3 @@ def _exit_text(code: int) -> str:
     if code < 0:
         return f"was killed by signal {_signal_name(code)}"
     return f"exited with code {code}"
-
-
-
-
-class Engine(_Engine):
-    """The local engine behind the interface of ``engines/__init__.py``."""
-
-    def __init__(self, config: EngineConfig) -> None:
-        if config.processes is None:
-            from ..._cpus import cpu_count as _cpu_count
-
-            processes = _cpu_count()
-        else:
-            processes = config.processes
-        super().__init__(
-            ctx=config.ctx,
-            processes=processes,
-            initializer=config.initializer,
-            initargs=config.initargs,
-            maxtasks=config.maxtasks,
-            owner=config.owner,
-            lost_error=config.lost_error,
-            broken_error=config.broken_error,
-        )
-
-    def describe(self) -> str:
-        pids = [w.pid for w in list(self.workers) if not w.gone]
-        return f"start_method={self.method} pids={pids}"
-
-    def worker_processes(self) -> list[Any]:
-        return [w.process for w in list(self.workers) if not w.gone]

@@ -102,11 +102,10 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
-from ..._by_value import FnByValue
+from ..._by_value import FnByValue, needs_value
+from ..runner import format_exception, load_fn, run_task, unwrap, wrap
 from ..tasks import _describe, _light_size, _Task
-from ..worker import _CALL, _MAP, _format, _load_fn, _wrap
-from . import EngineConfig
-from .base import _CLOSE, _TERMINATE, QueueEngine
+from .base import LOST_TAIL, TERMINATE, EngineConfig, QueueEngine
 
 OPTIONS: tuple[str, ...] = ("address", "ray_remote_args", "task_retries")
 
@@ -142,9 +141,9 @@ class _RayWorker:
         self._main: dict[str, Any] = main.__dict__
         if initializer is not None:
             try:
-                _load_fn(initializer, {}, self._main)(*initargs)
+                load_fn(initializer, {}, self._main)(*initargs)
             except BaseException as e:  # noqa: BLE001 - reported by ready(); the pool breaks
-                self._init_error = _wrap(e)
+                self._init_error = wrap(e)
 
     def ready(self) -> tuple[Any, int, str, str]:
         import ray
@@ -153,20 +152,12 @@ class _RayWorker:
         return self._init_error, os.getpid(), context.get_node_id(), ray.util.get_node_ip_address()
 
     def run(self, fn: Any, kind: int, args: Any) -> tuple[bool | None, Any, float]:
-        t0 = time.perf_counter()
-        try:
-            f = _load_fn(fn, self._cache, self._main)
-            if kind == _CALL:
-                value = f(*args[0], **args[1])
-            elif kind == _MAP:
-                value = [f(x) for x in args]
-            else:
-                value = [f(*x) for x in args]
-        except Exception as e:
-            return False, _wrap(e), time.perf_counter() - t0
-        except BaseException as e:  # noqa: BLE001 - SystemExit...: the engine ends this worker
-            return None, _format(e), 0.0
-        return True, value, time.perf_counter() - t0
+        """``runner.run_task``; a ``BaseException`` (``SystemExit``...) comes back as its
+        traceback's text (``(None, text, 0.0)``): the engine ends this worker."""
+        ok, value, seconds = run_task(fn, kind, args, self._cache, self._main)
+        if ok is None:
+            return None, format_exception(value), 0.0
+        return ok, value, seconds
 
     def run_packed(self, data: bytes) -> Any:
         """``run`` of a light task, pickled by the engine in one go (``_send``); a light
@@ -374,14 +365,7 @@ class Engine(QueueEngine):
         self._startup_failures = 0
         self._init_failures: dict[_Actor, Any] = {}  # initializer errors, set in Ray's thread
         self._alone: set[int] = set()  # seq of tasks to run with nothing queued behind them
-        try:
-            for _ in range(self.processes):
-                self._start_worker()
-        except BaseException:
-            self._state = _TERMINATE
-            self._shutdown()
-            raise
-        self._start_manager()
+        self._start()
 
     def describe(self) -> str:
         live = [w for w in list(self.workers) if not w.gone]
@@ -495,10 +479,7 @@ class Engine(QueueEngine):
                 self._pending.extendleft(reversed(tasks))
 
     def _replenish(self) -> None:
-        with self._lock:
-            state = self._state
-            broken = self._broken_msg is not None
-        if state == _TERMINATE or broken or (state == _CLOSE and not self._has_work()):
+        if not self._wants_workers():
             return
         active = sum(1 for w in self.workers if not (w.retiring or w.stopping or w.gone))
         for _ in range(self.processes - active):
@@ -523,24 +504,17 @@ class Engine(QueueEngine):
             pass
 
     # -- the manager thread -----------------------------------------------------------------
-    def _step(self) -> bool:
-        with self._lock:
-            state = self._state
-        if state == _TERMINATE:
-            return False
-        self._dispatch()
-        if state == _CLOSE and self._closing_done():
-            return False
+    def _wait(self) -> None:
         try:
             event = self._events.get(timeout=1.0)
         except queue.Empty:
-            return True
+            return
         while True:
             self._handle(*event)
             try:
                 event = self._events.get_nowait()
             except queue.Empty:
-                return True
+                return
 
     def _handle(self, kind: int, w: _Actor | None) -> None:
         if kind == _WAKE:
@@ -672,17 +646,8 @@ class Engine(QueueEngine):
             self._stop_worker(w)  # alive, but useless
         self._forget(w)
         if init_error is not None:
-            name = getattr(self._initializer, "name", None) or getattr(
-                self._initializer, "__qualname__", repr(self._initializer)
-            )
-            error = _unwrap(init_error)
-            self._break(
-                f"{self.owner}: the initializer {name} raised in {w.name()}: "
-                f"{type(error).__name__}: {error}. The pool is broken (every worker runs it); "
-                "fix the initializer and create a new pool",
-                error,
-            )
-        elif not w.ready and not w.stopping and self._state != _TERMINATE:
+            self._initializer_failed(w.name(), unwrap(init_error))
+        elif not w.ready and not w.stopping and self._state != TERMINATE:
             self._startup_failures += 1
             detail = _death_detail(None, w.watch)
             if node_lost:
@@ -757,11 +722,7 @@ class Engine(QueueEngine):
                 "second task runs again, alone, on another worker, where a second death is "
                 "reported exactly.)"
             )
-        msg += (
-            " The pool replaced the worker and keeps running; only this task failed, resubmit "
-            "it if it is safe to run again"
-        )
-        error = self._lost_error(msg, w.pid, _exit_code(how), what, w.node_ip or None)
+        error = self._lost_error(msg + LOST_TAIL, w.pid, _exit_code(how), what, w.node_ip or None)
         error.__cause__ = RemoteTraceback(traceback) if traceback else None
         self._deliver(running, False, error)
         self._replenish()
@@ -796,20 +757,17 @@ class Engine(QueueEngine):
                     return
                 if depth and self._pending[0].seq in self._alone:
                     return  # it waits for an idle worker
-                task = self._pending.popleft()
-                self._room.notify_all()
+                task = self._pop_locked()
             if task.seq in self._alone:
                 self._alone.discard(task.seq)
                 target.alone = True
-            if task.start is not None:
-                start, task.start = task.start, None
-                if not start():  # cancelled while it waited
-                    continue
+            if task.start is not None and not self._claim(task):  # cancelled while it waited
+                continue
             self._send(target, task)
 
     def _send(self, w: _Actor, task: _Task) -> None:
         wire = task.fn.wire
-        if type(wire) is types.FunctionType and wire.__module__ == "__main__":
+        if type(wire) is types.FunctionType:
             wire = task.fn.wire = _main_by_value(wire, self._ray)
         try:
             if type(wire) in _PACKABLE and _light_size(task) >= 0:
@@ -866,11 +824,12 @@ class Engine(QueueEngine):
 
 
 def _main_by_value(fn: types.FunctionType, ray: Any) -> Any:
-    """A function of the caller's ``__main__`` as it travels to the actors: pickled by value
-    once (Ray would pickle it again for every call, and give each copy globals of its own); the
-    actor binds it to its one ``__mp_main__`` namespace (``_by_value.into_namespace``). Any
-    other function as it is (by reference)."""
-    if fn.__module__ != "__main__":
+    """A function of the caller's ``__main__`` as it travels to the actors, which never import
+    the script (``_by_value.needs_value``): pickled by value once (Ray would pickle it again for
+    every call, and give each copy globals of its own); the actor binds it to its one
+    ``__mp_main__`` namespace (``_by_value.into_namespace``). Any other function as it is (by
+    reference)."""
+    if not needs_value(fn, foreign_workers=True):
         return fn
     return FnByValue(ray.cloudpickle.dumps(fn), f"__main__.{fn.__qualname__}")
 
@@ -940,10 +899,3 @@ def _death_detail(
 def _exit_code(how: str) -> int | None:
     match = re.search(r"exit code (-?\d+)", how)
     return int(match.group(1)) if match else None
-
-
-def _unwrap(wrapped: Any) -> BaseException:
-    """An ``ExceptionWithTraceback`` as the exception it rebuilds to (with its traceback)."""
-    rebuild, args = wrapped.__reduce__()
-    error: BaseException = rebuild(*args)
-    return error
