@@ -282,4 +282,4 @@ def test_spawn_loader_workers_end_without_module_teardown(tmp_path):
     # Loader workers: atexit handlers ran, no teardown. Any other spawn child: unchanged.
     assert out["marks"] == ["plain-atexit", "plain-teardown", "w0-atexit", "w1-atexit"]
     for name in ("w0", "w1", "plain"):
-        assert f"{name} says hi" in res.stdout
+        assert f"{name} says hi" in res.stdout, (res.stdout, res.stderr[-3000:])
