@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """DataLoader benchmark: a torch ``DataLoader`` with tensormp's context against torch's own.
 
-Run ``python benchmarks/dataloader.py`` (about 3 minutes on 2 cores, most of it spawn workers
-importing torch), ``--quick`` (about 1.5 minutes), ``--only small`` or ``--only large``,
-``--methods spawn``.
+Run ``python benchmarks/dataloader.py`` (about 1 minute on a quiet 2-core machine, most of it
+spawn workers importing torch; several times that under load), ``--quick`` (fewer batches, 2
+epochs per contender), ``--only small`` or ``--only large``, ``--methods spawn``.
 
 Method
 ------
