@@ -68,8 +68,6 @@ _ALLOWED_LAZY = {("tensormp.context", "tensormp.pool")}
 # Circles other branches are cutting (issue 26), each edge with the work that removes it; delete
 # an entry once that work has landed.
 _PENDING = {
-    # 26 part 2 (branch engines): how a function travels moves out of spawn.py into _by_value.
-    ("tensormp.pool.tasks", "tensormp.spawn"): "issue 26 part 2",
     # torch_stdlib.py uses torch.py's storage cache (branch dataloader owns reducers/torch.py).
     ("tensormp.reducers.torch_stdlib", "tensormp.reducers.torch"): "torch storage cache",
 }
