@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import tensormp as mp
-from conftest import START_METHODS
+from helpers import START_METHODS
 from tensormp import _testhooks
 from tensormp.connection import INLINE_MAX
 from test_channels import _dead, _recv_all
