@@ -65,12 +65,6 @@ def test_docstrings_point_at_pages_that_exist():
 # Layers import downward (STYLE.md, habit 16). The one circle allowed is the stdlib's own: a
 # context's Pool() imports the pool lazily, and the pool asks the context for processes.
 _ALLOWED_LAZY = {("tensormp.context", "tensormp.pool")}
-# Circles other branches are cutting (issue 26), each edge with the work that removes it; delete
-# an entry once that work has landed.
-_PENDING = {
-    # torch_stdlib.py uses torch.py's storage cache (branch dataloader owns reducers/torch.py).
-    ("tensormp.reducers.torch_stdlib", "tensormp.reducers.torch"): "torch storage cache",
-}
 
 
 def _module_name(path: Path, src: Path) -> str:
@@ -161,8 +155,6 @@ def test_no_import_circle_but_the_lazy_context_pool_one():
     graph = import_graph()
     for a, b in _ALLOWED_LAZY:
         assert graph[a].get(b) in (None, "function"), f"{a} must import {b} lazily (in a function)"
-        graph[a].pop(b, None)
-    for a, b in _PENDING:
         graph[a].pop(b, None)
     lines = [
         "  " + "; ".join(

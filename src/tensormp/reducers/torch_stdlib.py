@@ -37,8 +37,11 @@ connection), and its count goes back to the creator; a named segment follows the
 ``file_system`` rules. Of the creator: receivers keep valid memory.
 
 What is refused: nothing that goes through ``ForkingPickler``. Only a direct call of torch's
-``UntypedStorage._share_fd_cpu_``/``_share_filename_cpu_`` (``reducers/torch.py``) would move a
+``UntypedStorage._share_fd_cpu_``/``_share_filename_cpu_`` (``reducers/torch_storage.py``) would move a
 tensormp storage into torch's memory; it is refused while another process may hold the block.
+
+Imports: the registry, cache and wrapped methods of ``reducers/torch_storage.py``, never
+``reducers/torch.py`` (which loads this module to install the reducer).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ from ..memory.allocator import (
 )
 from ..memory.segment import Segment, unpack_wire
 from . import Message
-from . import torch as _t
+from . import torch_storage as _ts
 
 __all__ = ["reduce_storage_stdlib"]
 
@@ -134,17 +137,17 @@ def _reference(seg: Segment) -> _SegmentFd:
 def reduce_storage_stdlib(storage: Any) -> Any:
     """``ForkingPickler``'s reducer of ``torch.UntypedStorage`` (see the module notes)."""
     view = None
-    owned = _t._owned
+    owned = _ts._owned
     # Every other storage costs one dict look-up here (no lock: a miss is final, a hit is
     # checked again under the lock).
     if owned and storage.data_ptr() in owned:
-        with _t._lock:
-            entry = _t._entry(storage)
+        with _ts._lock:
+            entry = _ts._entry(storage)
             if entry is not None:
                 view = entry.ref()
                 if view is not None and not entry.exported:
                     entry.exported = True
-                    _t._cache_put(_t._view_key(view), storage)  # it may come back: as itself
+                    _ts._cache_put(_ts._view_key(view), storage)  # it may come back: as itself
     if view is None:
         return _previous(storage)
     found = find_block(view)
@@ -158,7 +161,7 @@ def reduce_storage_stdlib(storage: Any) -> Any:
         _reference(seg),
         block.offset,
         block.capacity,
-        _t._address(view) - seg.address - block.offset,
+        _ts._address(view) - seg.address - block.offset,
         view.nbytes,
         token,
     )
@@ -183,7 +186,7 @@ def _rebuild_storage_stdlib(
     _release_at_exit()
     flush_records()  # announce the hold now: a receiver killed later cannot pin the block
     view: np.ndarray = root[offset : offset + nbytes]
-    return _t._rebuild_storage(view)
+    return _ts._rebuild_storage(view)
 
 
 _exit_hook_pid = 0
@@ -200,7 +203,7 @@ def _release_at_exit() -> None:
     if _exit_hook_pid == pid:
         return
     _exit_hook_pid = pid
-    if multiprocessing.parent_process() is not None and not _t._started_by_tensormp():
+    if multiprocessing.parent_process() is not None and not _ts._started_by_tensormp():
         multiprocessing.util.Finalize(None, process_exiting, exitpriority=-100)
 
 
