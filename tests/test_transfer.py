@@ -927,3 +927,30 @@ def test_two_holders_one_sigkilled_the_other_still_protected():
     os.kill(victim.pid, signal.SIGKILL)
     victim.join(30)
     _survivor_still_protected(go, result, keeper)
+
+
+# -- a handle given back twice (pool task to a worker that died: test_pool's random SIGKILLs) ---
+def test_late_undo_of_an_unsent_handle_never_frees_the_blocks_next_use():
+    """A pool task's argument copy whose worker died before the send: the dead holder gives
+    the handle back (register_holder), the block is recycled and handed out again, and only
+    then the unsent message is dropped. Its undo must not free the block's new use: it used
+    to, so the next copy got the same memory as a copy still in flight (a worker then read the
+    next task's argument and answered ``2 * (i + 1)``)."""
+    from tensormp import reducers
+    from tensormp.memory.allocator import register_holder
+
+    dead = mp.get_context("fork").Process(target=_idle)
+    dead.start()
+    dead.join(30)
+    before = mp.memory_stats()["remote_held_bytes"]
+    first = reducers.dumps(np.full(10_000, 1.0))
+    register_holder(dead.pid, first.noted)  # holder already dead: the block is free again
+    second = reducers.dumps(np.full(10_000, 2.0))  # in flight: that block, reused
+    first.abandon()  # the late undo
+    third = reducers.dumps(np.full(10_000, 3.0))
+    (b2,), (b3,) = second.noted, third.noted
+    assert (b2.segment.id, b2.offset) != (b3.segment.id, b3.offset), "one block handed out twice"
+    assert np.frombuffer(b2.segment.view, np.float64, 10_000, b2.offset)[0] == 2.0
+    second.abandon()
+    third.abandon()
+    assert mp.memory_stats()["remote_held_bytes"] == before

@@ -319,6 +319,11 @@ def register_holder(pid: int, blocks: list[Block]) -> None:
     start-up, the liveness sweep drops its holds. Its release may already have come (a child
     that ran and exited before its parent got here): every record already in our socket is
     read first, and a release found for ``pid`` cancels the hold instead of adding one.
+
+    Call it only once the message carrying the handles was sent (``Message.sent``): from then
+    on ``pid`` gives them back (its release, or its death). A message that was not sent gives
+    them back itself (``forget_handle``); registering it too would give one handle back twice,
+    and the second time free the block's next use.
     """
     st = _state
     server = st.server

@@ -134,7 +134,10 @@ class MemoryState:
                 block = item[1]
                 seg = block.segment
                 if block.owned and block.owner_pid == self.arenas.pid:
-                    if (seg.id, block.offset) in self.arenas.remote_held:
+                    # This very block, not whatever now lies at its place: if its count was
+                    # given back already (its registered holder died), it may be recycled and
+                    # handed out again, and that new use must not be freed (holds.py).
+                    if self.arenas.remote_held.get((seg.id, block.offset)) is block:
                         holds.drop_remote(self, block, 1)
                 else:  # we had acquired it for a forward: give that back
                     release.post(seg.owner_addr, release.pack(b"D", seg.id, block.offset, 1, 0))

@@ -72,9 +72,10 @@ The parent SIGKILLed: every worker dies with it (``_parent_death.py``: ``PR_SET_
 watchdog pipe; workers that the manager thread replaced rely on the watchdog alone).
 
 **Who frees shared memory.** Arguments: blocks the parent created when it pickled the task.
-Before sending, the parent registers the worker as the holder of each (``register_holder``, as
-for ``Process`` arguments) and the worker rebuilds them without hold records
-(``reducers.process_args_parent``), so the count is exact. The worker drops its views when the
+Once the task is sent, the parent registers the worker as the holder of each (``register_holder``,
+as for ``Process`` arguments; a release that came first cancels the hold) and the worker rebuilds
+them without hold records (``reducers.process_args_parent``), so the count is exact. A task
+whose send failed is not registered: its message is dropped and gives its handles back, once. The worker drops its views when the
 task is done and tells the parent (a release record, sent before it waits for the next task);
 the parent recycles the block for a later argument. A worker killed while holding them: the
 parent's liveness check (about once a second) drops its holds. Results: blocks the worker

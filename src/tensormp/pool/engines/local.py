@@ -684,13 +684,6 @@ class Engine(QueueEngine):
     def _send_group(self, w: _Worker, msg: reducers.Message, tasks: list[_Task]) -> bool:
         """Send one message carrying ``tasks``; False when ``w``'s channel failed (``tasks``
         are queued again, to be pickled anew)."""
-        if msg.noted:
-            # The worker holds one handle to each of our blocks in the message (it sends no
-            # hold records for them: see worker._worker_main). Registered before it can release
-            # them; if it dies holding them, our liveness check frees them (as Process arguments).
-            from ...memory.allocator import register_holder
-
-            register_holder(w.pid, msg.noted)
         with self._send_lock:
             try:
                 # The header says how many tasks the record carries (see worker.py, Give-back)
@@ -703,9 +696,19 @@ class Engine(QueueEngine):
                     w.head_since = time.monotonic()
                 w.outstanding.extend(tasks)
                 w.assigned += len(tasks)
+        if not failed and msg.noted:
+            # The worker holds one handle to each of our blocks in the message (it sends no
+            # hold records for them: see worker._worker_main); if it dies holding them, our
+            # liveness check frees them (as Process arguments, registered once started). Only
+            # once sent: a message that was not is dropped, and its undo gives the handles back
+            # (both would free them twice: the second time, a block handed out again). A
+            # release that came first cancels the hold (register_holder).
+            from ...memory.allocator import register_holder
+
+            register_holder(w.pid, msg.noted)
         if failed:
             for task in tasks:
-                task.msg = None  # registered to that worker: pickle anew for another
+                task.msg = None  # never sent: its handles are given back; pickle anew
             with self._lock:
                 self._pending.extendleft(reversed(tasks))
             self._channel_closed(w)
