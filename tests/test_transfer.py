@@ -954,3 +954,44 @@ def test_late_undo_of_an_unsent_handle_never_frees_the_blocks_next_use():
     second.abandon()
     third.abandon()
     assert mp.memory_stats()["remote_held_bytes"] == before
+
+
+def _release_before_registered(conn, parent_pid):
+    from tensormp import reducers
+
+    reducers.process_args_parent(parent_pid)  # as a pool worker: no hold records for these
+    try:
+        a = conn.recv()
+    finally:
+        reducers.process_args_parent(0)
+    del a
+    conn.send("released")  # (sends the release first)
+
+
+def test_release_before_registration_survives_the_holders_death():
+    """A holder registered after the send (pool tasks, Process arguments) may release, exit and
+    be found dead by the liveness sweep before its registration: the registration must cancel
+    that release, not give the handle back a second time while another is still out."""
+    from tensormp import reducers
+    from tensormp.memory import allocator
+    from tensormp.memory.allocator import register_holder
+
+    ctx = mp.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    p = ctx.Process(target=_release_before_registered, args=(child_end, os.getpid()))
+    p.start()
+    shared = mp.share(np.ones(100))  # made after the fork: not pinned by it
+    first, second = reducers.dumps(shared), reducers.dumps(shared)  # two handles out
+    parent_end.send_message(first)
+    assert parent_end.recv() == "released"
+    p.join(30)
+    st = allocator._allocator
+    st.server.drain()  # its release is counted
+    st._sweep()  # and it is dead
+    register_holder(p.pid, first.noted)
+    (block,) = second.noted
+    assert block.remote == 1, "the handle still out was given back"
+    second.abandon()
+    assert block.remote == 0
+    child_end.close()
+    parent_end.close()

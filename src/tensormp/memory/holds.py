@@ -218,10 +218,13 @@ def sweep_dead_holders(st: HoldState) -> None:
         for key, held in holders_items(block):
             if key not in alive:
                 alive[key] = key[1] != 0 and process_start_time(key[0]) == key[1]
-            if not alive[key] and block.holders is not None:
+            # A negative count is a release that came before its holder was registered
+            # (register_holder): kept, even once that holder died, for the registration to
+            # cancel; forgotten, it would make the registration give the handle back again.
+            # It goes with the block's holders when its count reaches zero.
+            if held > 0 and not alive[key] and block.holders is not None:
                 holders_add(block, key, -held)  # forget it
-                if held > 0:  # a negative count is a release that came before its hold
-                    drop_remote(st, block, held)
+                drop_remote(st, block, held)
     start_times = st.start_times
     for pid in [p for p, start in start_times.items() if not alive.get((p, start), True)]:
         del start_times[pid]
