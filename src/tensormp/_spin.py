@@ -3,24 +3,27 @@
 Who spins, how long, when it stops
 ----------------------------------
 A process that waits for a record (``Connection.recv``/``read_record``, so ``SimpleQueue.get``,
-``Queue.get()`` without a timeout and ``Pipe`` receives) first polls its socket without
-blocking (``recvmsg`` with ``MSG_DONTWAIT``) for up to ``TENSORMP_SPIN_US`` microseconds
-(default ``SPIN_US``, 100), and only then blocks in the kernel. In a ping-pong the answer
-usually comes within that budget: the reader takes it without being put to sleep and woken
-(two cross-CPU wake-ups a round trip, most of a small round trip's time on a VM), and the
-writer's ``sendmsg`` has nobody to wake.
+``Queue.get()`` without a timeout and ``Pipe`` receives) *after it wrote a record itself* (on
+any tensormp channel, since its previous wait) first polls its socket without blocking
+(``recvmsg`` with ``MSG_DONTWAIT``) for up to ``TENSORMP_SPIN_US`` microseconds (default
+``SPIN_US``, 100), and only then blocks in the kernel. Such a wait is likely for an answer: in
+a ping-pong (or a pool worker waiting for its next task) the answer usually comes within that
+budget, the reader takes it without being put to sleep and woken (two cross-CPU wake-ups a
+round trip, most of a small round trip's time on a VM), and the writer's ``sendmsg`` has
+nobody to wake. A process that only reads (a consumer of a stream, a result thread) never
+spins: it would trade its idle time between items for CPU, and a stream needs no answer fast.
 
 The rule adapts, per process (one state for all its channels), so that waits that are long,
 or CPUs that others need, do not burn CPU:
 
 * **Spins that found nothing back off.** After a spin that ended without a record, the next
-  ``2**k - 1`` waits block at once (``k`` the number of such spins in a row, at most
+  ``2**k - 1`` waits that could spin block at once (``k`` the number of such spins in a row, at most
   ``_MAX_BACKOFF``): a reader whose records come seldom spins once every 255 waits at most,
   about 0.4 us of CPU per wait. One spin that finds a record resets ``k``.
 * **No spin where CPUs are crowded.** A process that may run on one CPU only never spins (its
-  writer could not run meanwhile). At most every ``_CHECK_NS`` (250 ms) a spinning process
-  reads the kernel's count of runnable threads (``/proc/loadavg``); while that count
-  exceeds the machine's CPUs it does not spin (several consumers and a producer on 2 CPUs:
+  writer could not run meanwhile). At most every ``_CHECK_NS`` (250 ms; 50 ms while crowded)
+  a process that would spin reads the kernel's count of runnable threads (``/proc/loadavg``,
+  about 10 us); while that count exceeds the machine's CPUs it does not spin (several consumers and a producer on 2 CPUs:
   spinning readers would take the producer's CPU). A spin that sees it was descheduled (one
   poll took more than ``_PREEMPTED_NS`` of wall time) stops, counts as found-nothing, and
   turns spinning off until the next check.
@@ -41,11 +44,12 @@ import socket
 import time
 from typing import Any
 
-__all__ = ["SPIN_US", "recvmsg", "stats", "set_budget_us"]
+__all__ = ["SPIN_US", "recvmsg", "set_budget_us", "state", "stats"]
 
 SPIN_US = 100  # the default budget, microseconds
 _MAX_BACKOFF = 8  # at most 2**8 - 1 waits block at once after spins that found nothing
 _CHECK_NS = 250_000_000  # how often a spinning process looks at the runnable count
+_RECHECK_NS = 50_000_000  # ... while it found the CPUs crowded (a passing burst ends soon)
 _PREEMPTED_NS = 200_000  # one non-blocking poll that took longer: this process was descheduled
 _DONTWAIT = int(socket.MSG_DONTWAIT)
 _monotonic_ns = time.monotonic_ns
@@ -68,20 +72,22 @@ def _budget_from_env() -> int:
 class _State:
     """This process's spin state (threads share it: a race only misjudges one wait)."""
 
-    __slots__ = ("budget_ns", "skip", "fails", "next_check", "crowded", "found", "empty", "blocked")
+    __slots__ = ("budget_ns", "sent", "skip", "fails", "next_check", "crowded", "found", "empty",
+                 "plain")
 
     def __init__(self) -> None:
         self.budget_ns = _budget_from_env()
+        self.sent = False  # a record was written since the last wait (Connection.write_record)
         self.skip = 0  # waits left that block at once (back-off)
         self.fails = 0  # spins in a row that found nothing
         self.next_check = 0  # monotonic ns of the next look at the runnable count
         self.crowded = False
         self.found = 0  # spins that found a record (test hook and stats)
         self.empty = 0  # spins that found nothing
-        self.blocked = 0  # waits that did not spin
+        self.plain = 0  # waits that did not spin
 
 
-_state = _State()
+state = _state = _State()
 
 
 def set_budget_us(us: float) -> None:
@@ -94,9 +100,9 @@ def set_budget_us(us: float) -> None:
 
 def stats() -> dict[str, int]:
     """Outcomes of this process's waits so far: ``found`` (a spin took the record), ``empty``
-    (a spin found nothing, then blocked), ``blocked`` (blocked without spinning)."""
+    (a spin found nothing, then blocked), ``plain`` (a blocking read without a spin)."""
     st = _state
-    return {"found": st.found, "empty": st.empty, "blocked": st.blocked,
+    return {"found": st.found, "empty": st.empty, "plain": st.plain,
             "budget_ns": st.budget_ns}
 
 
@@ -115,17 +121,20 @@ def _crowded() -> bool:
 def recvmsg(sock: socket.socket, bufsize: int, ancsize: int, flags: int) -> Any:
     """``sock.recvmsg(bufsize, ancsize, flags)`` that blocks, spinning first (module notes)."""
     st = _state
-    if st.skip or not st.budget_ns:
-        if st.skip:
-            st.skip -= 1
-        st.blocked += 1
+    if not st.sent or st.skip or not st.budget_ns:
+        if st.sent:
+            st.sent = False
+            if st.skip:
+                st.skip -= 1
+        st.plain += 1
         return sock.recvmsg(bufsize, ancsize, flags)
+    st.sent = False
     now = _monotonic_ns()
     if now >= st.next_check:
-        st.next_check = now + _CHECK_NS
         st.crowded = _crowded()
+        st.next_check = now + (_RECHECK_NS if st.crowded else _CHECK_NS)
     if st.crowded:
-        st.blocked += 1
+        st.plain += 1
         return sock.recvmsg(bufsize, ancsize, flags)
     end = now + st.budget_ns
     spin_flags = flags | _DONTWAIT

@@ -95,6 +95,7 @@ _budget = fdbudget.budget
 _loads = reducers.loads
 _flush_release_records = reducers.flush_release_records
 _spin_recvmsg = _spin.recvmsg
+_spin_state = _spin.state
 
 
 class Record:
@@ -299,6 +300,7 @@ class Connection(_mpc.Connection):
         n = len(data)
         ntok = len(tokens)
         flags = 0 if block else _MSG_DONTWAIT
+        _spin_state.sent = True  # the next wait of this process may be for an answer (_spin.py)
         if n <= INLINE_MAX:
             try:
                 if not fds and not ntok:  # a small message: no fds, so no ETOOMANYREFS wait
