@@ -100,7 +100,9 @@ def set_budget_us(us: float) -> None:
 
 def stats() -> dict[str, int]:
     """Outcomes of this process's waits so far: ``found`` (a spin took the record), ``empty``
-    (a spin found nothing, then blocked), ``plain`` (a blocking read without a spin)."""
+    (a spin found nothing, then blocked), ``plain`` (a wait after a write that did not spin:
+    backing off, crowded CPUs, or ``TENSORMP_SPIN_US=0``; a wait without a write before it is
+    not counted)."""
     st = _state
     return {"found": st.found, "empty": st.empty, "plain": st.plain,
             "budget_ns": st.budget_ns}
@@ -119,16 +121,15 @@ def _crowded() -> bool:
 
 
 def recvmsg(sock: socket.socket, bufsize: int, ancsize: int, flags: int) -> Any:
-    """``sock.recvmsg(bufsize, ancsize, flags)`` that blocks, spinning first (module notes)."""
+    """``sock.recvmsg(bufsize, ancsize, flags)`` that blocks, spinning first (module notes);
+    the caller calls it only when ``state.sent`` (a reader that did not write blocks at once)."""
     st = _state
-    if not st.sent or st.skip or not st.budget_ns:
-        if st.sent:
-            st.sent = False
-            if st.skip:
-                st.skip -= 1
+    st.sent = False
+    if st.skip or not st.budget_ns:
+        if st.skip:
+            st.skip -= 1
         st.plain += 1
         return sock.recvmsg(bufsize, ancsize, flags)
-    st.sent = False
     now = _monotonic_ns()
     if now >= st.next_check:
         st.crowded = _crowded()

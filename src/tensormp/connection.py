@@ -388,7 +388,10 @@ class Connection(_mpc.Connection):
         # release timer (memory/release.py), blocked or not. A blocking read spins a little
         # first, then blocks in the kernel (_spin.py).
         if wait:
-            data, anc, flags, _ = _spin_recvmsg(sock, _RECORD_MAX, _ANC_SPACE, _MSG_CMSG_CLOEXEC)
+            if _spin_state.sent:  # this process wrote since its last wait: maybe for an answer
+                data, anc, flags, _ = _spin_recvmsg(sock, _RECORD_MAX, _ANC_SPACE, _MSG_CMSG_CLOEXEC)
+            else:
+                data, anc, flags, _ = sock.recvmsg(_RECORD_MAX, _ANC_SPACE, _MSG_CMSG_CLOEXEC)
         else:
             try:
                 data, anc, flags, _ = sock.recvmsg(
