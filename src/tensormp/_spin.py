@@ -17,16 +17,18 @@ The rule adapts, per process (one state for all its channels), so that waits tha
 or CPUs that others need, do not burn CPU:
 
 * **Spins that found nothing back off.** After a spin that ended without a record, the next
-  ``2**k - 1`` waits that could spin block at once (``k`` the number of such spins in a row, at most
-  ``_MAX_BACKOFF``): a reader whose records come seldom spins once every 255 waits at most,
+  ``2**k - 1`` waits that could spin block at once (``k`` the number of such spins in a row,
+  at most ``_MAX_BACKOFF``): a reader whose records come seldom spins once every 255 waits at most,
   about 0.4 us of CPU per wait. One spin that finds a record resets ``k``.
-* **No spin where CPUs are crowded.** A process that may run on one CPU only never spins (its
-  writer could not run meanwhile). At most every ``_CHECK_NS`` (250 ms; 50 ms while crowded)
-  a process that would spin reads the kernel's count of runnable threads (``/proc/loadavg``,
-  about 10 us); while that count exceeds the machine's CPUs it does not spin (several consumers and a producer on 2 CPUs:
-  spinning readers would take the producer's CPU). A spin that sees it was descheduled (one
-  poll took more than ``_PREEMPTED_NS`` of wall time) stops, counts as found-nothing, and
-  turns spinning off until the next check.
+* **No spin where CPUs are crowded.** A machine of one CPU never spins (the writer could not
+  run meanwhile). A process pinned to one CPU may spin: its writer may be pinned to another
+  (the ping-pong benchmark pins its two processes so). At most every ``_CHECK_NS`` (250 ms;
+  50 ms while crowded) a process that would spin reads the kernel's count of runnable threads
+  (``/proc/loadavg``, about 10 us); while that count exceeds the machine's CPUs it does not
+  spin (several consumers and a producer on 2 CPUs: spinning readers would take the
+  producer's CPU). A spin that sees it was descheduled (one poll took more than
+  ``_PREEMPTED_NS`` of wall time: someone else wanted this CPU, perhaps the writer pinned to
+  the same one) stops, counts as found-nothing, and turns spinning off until the next check.
 * ``TENSORMP_SPIN_US=0`` turns spinning off; another value sets the budget (microseconds).
 
 Nothing here is shared between processes and no lock is taken: a spinning reader only calls
@@ -109,15 +111,16 @@ def stats() -> dict[str, int]:
 
 
 def _crowded() -> bool:
-    """More runnable threads on the machine than CPUs, or this process on one CPU only."""
+    """More runnable threads on the machine than CPUs, or a machine of one CPU."""
+    cpus = os.cpu_count() or 1
+    if cpus < 2:
+        return True
     try:
-        if len(os.sched_getaffinity(0)) < 2:
-            return True
         with open("/proc/loadavg", "rb") as f:
             running = int(f.read().split()[3].split(b"/")[0])
     except (OSError, ValueError, IndexError):
         return True
-    return running > (os.cpu_count() or 1)
+    return running > cpus
 
 
 def recvmsg(sock: socket.socket, bufsize: int, ancsize: int, flags: int) -> Any:
