@@ -63,7 +63,7 @@ from multiprocessing import connection as _mpc
 from multiprocessing import reduction as _mpr
 from typing import TYPE_CHECKING, Any, overload
 
-from . import _fdpass, _testhooks, reducers
+from . import _fdpass, _spin, _testhooks, reducers
 from .errors import FdLimitError
 from .memory import fdbudget
 
@@ -94,6 +94,8 @@ _POOL_COUNT = 4  # payload memfds per connection end and process (large messages
 _budget = fdbudget.budget
 _loads = reducers.loads
 _flush_release_records = reducers.flush_release_records
+_spin_recvmsg = _spin.recvmsg
+_spin_state = _spin.state
 
 
 class Record:
@@ -298,6 +300,7 @@ class Connection(_mpc.Connection):
         n = len(data)
         ntok = len(tokens)
         flags = 0 if block else _MSG_DONTWAIT
+        _spin_state.sent = True  # the next wait of this process may be for an answer (_spin.py)
         if n <= INLINE_MAX:
             try:
                 if not fds and not ntok:  # a small message: no fds, so no ETOOMANYREFS wait
@@ -382,14 +385,20 @@ class Connection(_mpc.Connection):
         if budget.taken >= budget.slack:  # room for the fds this record may carry (fdbudget.py)
             budget.make_room()
         # Nothing to flush before waiting: holds and releases go out within 50 ms on the
-        # release timer (memory/release.py), blocked or not. So a blocking read goes straight
-        # to the kernel (no MSG_DONTWAIT probe first: one syscall less per idle wait).
-        try:
-            data, anc, flags, _ = sock.recvmsg(
-                _RECORD_MAX, _ANC_SPACE, _MSG_CMSG_CLOEXEC if wait else _MSG_CMSG_CLOEXEC | _MSG_DONTWAIT
-            )
-        except BlockingIOError:
-            return None
+        # release timer (memory/release.py), blocked or not. A blocking read spins a little
+        # first, then blocks in the kernel (_spin.py).
+        if wait:
+            if _spin_state.sent:  # this process wrote since its last wait: maybe for an answer
+                data, anc, flags, _ = _spin_recvmsg(sock, _RECORD_MAX, _ANC_SPACE, _MSG_CMSG_CLOEXEC)
+            else:
+                data, anc, flags, _ = sock.recvmsg(_RECORD_MAX, _ANC_SPACE, _MSG_CMSG_CLOEXEC)
+        else:
+            try:
+                data, anc, flags, _ = sock.recvmsg(
+                    _RECORD_MAX, _ANC_SPACE, _MSG_CMSG_CLOEXEC | _MSG_DONTWAIT
+                )
+            except BlockingIOError:
+                return None
         if anc:
             fds = _fdpass.fds_of(anc)
             budget.taken += len(fds)

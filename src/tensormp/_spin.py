@@ -1,0 +1,162 @@
+"""Spin-then-block: how a reader waits for the next record of a channel.
+
+Who spins, how long, when it stops
+----------------------------------
+A process that waits for a record (``Connection.recv``/``read_record``, so ``SimpleQueue.get``,
+``Queue.get()`` without a timeout and ``Pipe`` receives) *after it wrote a record itself* (on
+any tensormp channel, since its previous wait) first polls its socket without blocking
+(``recvmsg`` with ``MSG_DONTWAIT``) for up to ``TENSORMP_SPIN_US`` microseconds (default
+``SPIN_US``, 100), and only then blocks in the kernel. Such a wait is likely for an answer: in
+a ping-pong (or a pool worker waiting for its next task) the answer usually comes within that
+budget, the reader takes it without being put to sleep and woken (two cross-CPU wake-ups a
+round trip, most of a small round trip's time on a VM), and the writer's ``sendmsg`` has
+nobody to wake. A process that only reads (a consumer of a stream, a result thread) never
+spins: it would trade its idle time between items for CPU, and a stream needs no answer fast.
+
+The rule adapts, per process (one state for all its channels), so that waits that are long,
+or CPUs that others need, do not burn CPU:
+
+* **Spins that found nothing back off.** After a spin that ended without a record, the next
+  ``2**k - 1`` waits that could spin block at once (``k`` the number of such spins in a row,
+  at most ``_MAX_BACKOFF``): a reader whose records come seldom spins once every 255 waits at most,
+  about 0.4 us of CPU per wait. One spin that finds a record resets ``k``.
+* **No spin where CPUs are crowded.** A machine of one CPU never spins (the writer could not
+  run meanwhile). A process pinned to one CPU may spin: its writer may be pinned to another
+  (the ping-pong benchmark pins its two processes so). At most every ``_CHECK_NS`` (250 ms;
+  50 ms while crowded) a process that would spin reads the kernel's count of runnable threads
+  (``/proc/loadavg``, about 10 us); while that count exceeds the machine's CPUs it does not
+  spin (several consumers and a producer on 2 CPUs: spinning readers would take the
+  producer's CPU). A spin that sees it was descheduled (one poll took more than
+  ``_PREEMPTED_NS`` of wall time: someone else wanted this CPU, perhaps the writer pinned to
+  the same one) stops, counts as found-nothing, and turns spinning off until the next check.
+* ``TENSORMP_SPIN_US=0`` turns spinning off; another value sets the budget (microseconds).
+
+Nothing here is shared between processes and no lock is taken: a spinning reader only calls
+``recvmsg``, so a SIGKILLed peer means what it means to a blocked reader. A writer killed before
+its ``sendmsg`` wrote nothing (the spin runs out and the reader blocks, as before); when every
+writer is gone, ``recvmsg`` returns end-of-file at once, during the spin or the block. The GIL
+is let go in every poll, so the process's other threads (the release thread) run meanwhile.
+Timed waits (``poll(timeout)``, ``get(timeout=...)``) do not spin: their deadline stays exact.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+
+__all__ = ["SPIN_US", "recvmsg", "set_budget_us", "state", "stats"]
+
+SPIN_US = 100  # the default budget, microseconds
+_MAX_BACKOFF = 8  # at most 2**8 - 1 waits block at once after spins that found nothing
+_CHECK_NS = 250_000_000  # how often a spinning process looks at the runnable count
+_RECHECK_NS = 50_000_000  # ... while it found the CPUs crowded (a passing burst ends soon)
+_PREEMPTED_NS = 200_000  # one non-blocking poll that took longer: this process was descheduled
+_DONTWAIT = int(socket.MSG_DONTWAIT)
+_monotonic_ns = time.monotonic_ns
+
+
+def _budget_from_env() -> int:
+    raw = os.environ.get("TENSORMP_SPIN_US", "")
+    if not raw:
+        return SPIN_US * 1000
+    try:
+        us = float(raw)
+    except ValueError:
+        raise ValueError(
+            f"TENSORMP_SPIN_US={raw!r} is not a number of microseconds; set it to 0 (never spin) "
+            f"or a budget such as {SPIN_US}"
+        ) from None
+    return max(0, int(us * 1000))
+
+
+class _State:
+    """This process's spin state (threads share it: a race only misjudges one wait)."""
+
+    __slots__ = ("budget_ns", "sent", "skip", "fails", "next_check", "crowded", "found", "empty",
+                 "plain")
+
+    def __init__(self) -> None:
+        self.budget_ns = _budget_from_env()
+        self.sent = False  # a record was written since the last wait (Connection.write_record)
+        self.skip = 0  # waits left that block at once (back-off)
+        self.fails = 0  # spins in a row that found nothing
+        self.next_check = 0  # monotonic ns of the next look at the runnable count
+        self.crowded = False
+        self.found = 0  # spins that found a record (test hook and stats)
+        self.empty = 0  # spins that found nothing
+        self.plain = 0  # waits that did not spin
+
+
+state = _state = _State()
+
+
+def set_budget_us(us: float) -> None:
+    """Set this process's spin budget in microseconds (0: never spin), as
+    ``TENSORMP_SPIN_US`` does for a process that starts."""
+    if us < 0:
+        raise ValueError(f"a spin budget is >= 0 microseconds, got {us!r}")
+    _state.budget_ns = int(us * 1000)
+
+
+def stats() -> dict[str, int]:
+    """Outcomes of this process's waits so far: ``found`` (a spin took the record), ``empty``
+    (a spin found nothing, then blocked), ``plain`` (a wait after a write that did not spin:
+    backing off, crowded CPUs, or ``TENSORMP_SPIN_US=0``; a wait without a write before it is
+    not counted)."""
+    st = _state
+    return {"found": st.found, "empty": st.empty, "plain": st.plain,
+            "budget_ns": st.budget_ns}
+
+
+def _crowded() -> bool:
+    """More runnable threads on the machine than CPUs, or a machine of one CPU."""
+    cpus = os.cpu_count() or 1
+    if cpus < 2:
+        return True
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            running = int(f.read().split()[3].split(b"/")[0])
+    except (OSError, ValueError, IndexError):
+        return True
+    return running > cpus
+
+
+def recvmsg(sock: socket.socket, bufsize: int, ancsize: int, flags: int) -> Any:
+    """``sock.recvmsg(bufsize, ancsize, flags)`` that blocks, spinning first (module notes);
+    the caller calls it only when ``state.sent`` (a reader that did not write blocks at once)."""
+    st = _state
+    st.sent = False
+    if st.skip or not st.budget_ns:
+        if st.skip:
+            st.skip -= 1
+        st.plain += 1
+        return sock.recvmsg(bufsize, ancsize, flags)
+    now = _monotonic_ns()
+    if now >= st.next_check:
+        st.crowded = _crowded()
+        st.next_check = now + (_RECHECK_NS if st.crowded else _CHECK_NS)
+    if st.crowded:
+        st.plain += 1
+        return sock.recvmsg(bufsize, ancsize, flags)
+    end = now + st.budget_ns
+    spin_flags = flags | _DONTWAIT
+    while True:
+        try:
+            got = sock.recvmsg(bufsize, ancsize, spin_flags)
+        except BlockingIOError:
+            before, now = now, _monotonic_ns()
+            if now < end and now - before < _PREEMPTED_NS:
+                continue
+            if now - before >= _PREEMPTED_NS:  # descheduled: someone else needs this CPU
+                st.crowded = True
+            break
+        st.found += 1
+        st.fails = 0
+        return got
+    st.empty += 1
+    if st.fails < _MAX_BACKOFF:
+        st.fails += 1
+    st.skip = (1 << st.fails) - 1
+    return sock.recvmsg(bufsize, ancsize, flags)
