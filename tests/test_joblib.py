@@ -109,6 +109,18 @@ def test_an_exception_reaches_the_caller_and_the_backend_stays_usable():
         assert joblib.Parallel()(joblib.delayed(boom)(i) for i in range(3)) == [0, 1, 2]
 
 
+def test_a_call_after_a_failed_one_in_a_with_block_gets_only_its_own_results():
+    """joblib keeps batches split off but not dispatched on the Parallel object; after a failed
+    call the next call of the same `with Parallel(...)` block must not return them (joblib 1.6
+    does with loky too, less often)."""
+    with joblib.Parallel(n_jobs=2, backend="tensormp") as par:
+        for attempt in range(3):
+            assert par(joblib.delayed(boom)(k) for k in range(3)) == [0, 1, 2]
+            with pytest.raises(ValueError, match="bad item 3"):
+                par(joblib.delayed(boom)(i) for i in range(12))
+            assert par(joblib.delayed(str)(x) for x in "abcd") == list("abcd"), attempt
+
+
 def test_a_dead_worker_raises_terminated_worker_error_as_loky():
     with joblib.parallel_config(backend="tensormp", n_jobs=2):
         with pytest.raises(LokyTerminatedWorkerError) as info:

@@ -72,8 +72,10 @@ process backend runs sequentially (the workers are daemonic, as the stdlib ``Poo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import queue
 import reprlib
 import sys
 import threading
@@ -665,6 +667,15 @@ class TensormpBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[m
             _reusable.discard(pool)
             pool.terminate()
             pool.join()
+        # joblib (1.6) keeps the batches it had split off but not yet dispatched in a queue that
+        # lives as long as the Parallel object: inside `with Parallel(...) as par:` the next
+        # call would dispatch the failed call's batches first and return their results in front
+        # of its own. They belong to the aborted call: drop them.
+        ready = getattr(self.parallel, "_ready_batches", None)
+        if ready is not None:
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    ready.get_nowait()
         if ensure_ready and self.parallel is not None:
             self.configure(
                 n_jobs=self.parallel.n_jobs, parallel=self.parallel,
