@@ -995,3 +995,33 @@ def test_release_before_registration_survives_the_holders_death():
     assert block.remote == 0
     child_end.close()
     parent_end.close()
+
+
+def _hold_then_release(conn):
+    a = conn.recv()
+    assert a[0] == 1.0
+    del a
+    conn.send("released")
+
+
+def test_the_sweep_forgets_the_start_time_of_an_exited_holder():
+    """The creator caches each holder's start time by pid; once that process exited (after it
+    released everything) the entry must go, or a new process given the same pid would have its
+    holds keyed with the old start time and dropped as dead, its blocks recycled while held."""
+    from tensormp.memory import allocator
+
+    ctx = mp.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    p = ctx.Process(target=_hold_then_release, args=(child_end,))
+    p.start()
+    shared = mp.share(np.ones(100))  # made after the fork: not pinned by it
+    parent_end.send(shared)
+    assert parent_end.recv() == "released"
+    p.join(30)
+    st = allocator._allocator
+    st.server.drain()
+    assert p.pid in st.start_times  # its hold and release were keyed by (pid, start time)
+    st._sweep()
+    assert p.pid not in st.start_times
+    child_end.close()
+    parent_end.close()

@@ -212,19 +212,28 @@ def apply_records(
 
 def sweep_dead_holders(st: HoldState) -> None:
     """Forget the holds of processes that died (release server thread, about once a second)."""
-    blocks = [b for b in st.arenas.remote_held.values() if b.holders]
     alive: dict[tuple[int, int], bool] = {}
-    for block in blocks:
+
+    def is_alive(key: tuple[int, int]) -> bool:
+        known = alive.get(key)
+        if known is None:
+            known = alive[key] = key[1] != 0 and process_start_time(key[0]) == key[1]
+        return known
+
+    # First forget the start time of every process that exited, holder or not: its pid may be
+    # reused, and a new process's holds keyed with the old start time would be dropped as dead
+    # below (their blocks recycled while held). Only a pid reused between two sweeps (about a
+    # second) escapes this: the kernel's whole pid range would have to wrap meanwhile.
+    start_times = st.start_times
+    for pid, start in list(start_times.items()):
+        if not is_alive((pid, start)):
+            del start_times[pid]
+    for block in [b for b in st.arenas.remote_held.values() if b.holders]:
         for key, held in holders_items(block):
-            if key not in alive:
-                alive[key] = key[1] != 0 and process_start_time(key[0]) == key[1]
             # A negative count is a release that came before its holder was registered
             # (register_holder): kept, even once that holder died, for the registration to
             # cancel; forgotten, it would make the registration give the handle back again.
             # It goes with the block's holders when its count reaches zero.
-            if held > 0 and not alive[key] and block.holders is not None:
+            if held > 0 and not is_alive(key) and block.holders is not None:
                 holders_add(block, key, -held)  # forget it
                 drop_remote(st, block, held)
-    start_times = st.start_times
-    for pid in [p for p, start in start_times.items() if not alive.get((p, start), True)]:
-        del start_times[pid]
