@@ -55,6 +55,8 @@ class Engine(QueueEngine):
         return f"engine=inline label={self.label} ran={self.ran}"
 
     def _dispatch(self) -> None:
+        if self.label == "bug":
+            raise RuntimeError("engine bug in _dispatch")
         task = self._take()
         if task is None or not self._claim(task):
             return
@@ -187,6 +189,15 @@ def test_terminate_fails_what_is_queued_on_a_third_engine():
         for r in rest:
             with pytest.raises(tensormp.BrokenPoolError, match="was terminated"):
                 r.get(10)
+
+
+def test_a_bug_in_a_third_engine_is_named_as_the_engines():
+    with tensormp.Pool(1, engine="inline", engine_options={"label": "bug"}) as pool:
+        with pytest.raises(tensormp.BrokenPoolError) as info:
+            pool.apply_async(square, (3,)).get(10)
+    text = str(info.value)
+    assert "engine bug in _dispatch" in text and "this is a bug in the engine " in text
+    assert "Engine, please report it" in text and "bug in tensormp" not in text
 
 
 def test_register_engine_refuses_what_would_be_ambiguous():

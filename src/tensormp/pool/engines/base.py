@@ -294,9 +294,14 @@ class QueueEngine:
 
             print(f"{self.owner}: internal error in the manager thread:", file=sys.stderr)
             traceback.print_exception(type(e), e, e.__traceback__)
+            cls = type(self)
+            whose = (
+                "tensormp" if cls.__module__.startswith("tensormp.")
+                else f"the engine {cls.__module__}.{cls.__qualname__}"
+            )
             self._break(
                 f"{self.owner}: internal error in its manager thread ({type(e).__name__}: "
-                f"{e}); this is a bug in tensormp, please report it",
+                f"{e}); this is a bug in {whose}, please report it",
                 e,
             )
             with self._lock:
