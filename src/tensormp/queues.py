@@ -64,7 +64,9 @@ A message in the feeder's buffer keeps the memory it refers to (and its tokens) 
 the feeder has written it; from then on the kernel holds the fds in flight.
 
 A bounded queue's ``put()`` takes the ledger's write lock ``W`` first (room check, write, count;
-``_ledger.py``), then ``_direct``; so does the feeder: one order, no deadlock. Its socket asks for
+``_ledger.py``), then ``_direct``; so does the feeder: one order, no deadlock. Holding ``W``
+keeps the feeder's buffer as it is, so a bounded ``put()`` that finds it empty writes through
+``_write`` at once, without an ``_Outgoing``. Its socket asks for
 a 4 MiB send buffer (the kernel caps it at ``net.core.wmem_max``), so that ``maxsize`` small
 records fit and ``put()`` rarely leaves one to the feeder.
 """
