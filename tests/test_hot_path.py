@@ -144,3 +144,22 @@ def test_a_large_message_keeps_the_fds_of_its_arrays(method):
             child.join()
         ours.close()
     assert child.exitcode == 0
+
+
+def test_bounded_put_costs_few_python_calls_over_an_unbounded_one():
+    """A bounded ``Queue.put`` that finds room adds only the ledger's ``W``, its room check and
+    the record's count to an unbounded put (measured before: 15 Python calls against 7; now 12:
+    no ``_Outgoing`` and no ``_write_now`` hop when the record is written at once)."""
+    costs = {}
+    for maxsize in (0, 4096):
+        q = mp.Queue(maxsize)
+        try:
+            for _ in range(3):  # warm, as above
+                q.put(b"x" * 64)
+                assert q.get(timeout=10) == b"x" * 64
+            costs[maxsize] = _python_calls(lambda: q.put(b"x" * 64))  # noqa: B023
+            assert q.get(timeout=10) == b"x" * 64
+        finally:
+            q.close()
+            q.join_thread()
+    assert costs[4096] <= costs[0] + 5, f"Python calls per put (maxsize: calls): {costs}"

@@ -374,9 +374,6 @@ class Ledger:
         """Take ``W`` to write a message whose slot is already reserved (the feeder)."""
         self._take_w(sock)
 
-    def leave(self) -> None:
-        self._leave_w()
-
     def _take_w(self, sock: socket.socket) -> None:
         self._wlock.acquire()
         try:
@@ -400,6 +397,8 @@ class Ledger:
             fcntl.flock(self._mine, _LOCK_UN)
         finally:
             self._wlock.release()
+
+    leave = _leave_w  # what enter() and enter_reserved() took
 
     def _claim_row(self) -> int:
         """Open our OFD and lock our row (once per process), before taking W."""

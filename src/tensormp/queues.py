@@ -64,7 +64,9 @@ A message in the feeder's buffer keeps the memory it refers to (and its tokens) 
 the feeder has written it; from then on the kernel holds the fds in flight.
 
 A bounded queue's ``put()`` takes the ledger's write lock ``W`` first (room check, write, count;
-``_ledger.py``), then ``_direct``; so does the feeder: one order, no deadlock. Its socket asks for
+``_ledger.py``), then ``_direct``; so does the feeder: one order, no deadlock. Holding ``W``
+keeps the feeder's buffer as it is, so a bounded ``put()`` that finds it empty writes through
+``_write`` at once, without an ``_Outgoing``. Its socket asks for
 a 4 MiB send buffer (the kernel caps it at ``net.core.wmem_max``), so that ``maxsize`` small
 records fit and ``put()`` rarely leaves one to the feeder.
 """
@@ -130,23 +132,12 @@ class _Outgoing:
         self.count = count
 
     def write(self, writer: Connection, block: bool) -> bool:
-        """Write it (see ``Connection.write_record``); once written, this process's fds of
-        the tokens are closed (the kernel holds them in flight with the record)."""
-        msg = self.msg
-        reducers.flush_release_records()  # holds reach creators before our results do
-        tokens = [t.fd for t in self.tokens] if self.tokens else ()
-        ledger = self.ledger
-        if ledger is not None:
-            if not ledger.write(writer, msg.data, msg.fds, tokens, block, self.count):
-                return False
-            if self.reserved:
-                self.reserved = False
-                ledger.reserve(-self.count)
-        elif not writer.write_record(msg.data, msg.fds, tokens, NO_SLOT, block):
+        """Write it (see :func:`_write`), and give back its reservation once written."""
+        if not _write(writer, self.msg, self.tokens, self.ledger, self.count, block):
             return False
-        for t in self.tokens:
-            t.close()
-        msg.sent()
+        if self.reserved and self.ledger is not None:
+            self.reserved = False
+            self.ledger.reserve(-self.count)
         return True
 
     def abandon(self, sock: Any = None) -> None:
@@ -161,6 +152,26 @@ class _Outgoing:
                 self.ledger.reserve(-self.count)
             finally:
                 self.ledger.leave()
+
+
+def _write(
+    writer: Connection, msg: reducers.Message, tokens: list[Token], ledger: Ledger | None,
+    count: int, block: bool,
+) -> bool:
+    """Write a message of ``count`` items as one record (``Connection.write_record``; through
+    ``ledger`` for a bounded queue, holding its ``W``). Once written, this process's fds of the
+    tokens are closed (the kernel holds them in flight with the record). True when written."""
+    reducers.flush_release_records()  # holds reach creators before our results do
+    fds = [t.fd for t in tokens] if tokens else ()
+    if ledger is not None:
+        if not ledger.write(writer, msg.data, msg.fds, fds, block, count):
+            return False
+    elif not writer.write_record(msg.data, msg.fds, fds, NO_SLOT, block):
+        return False
+    for t in tokens:
+        t.close()
+    msg.sent()
+    return True
 
 
 def _send_blocking(writer: Connection, out: _Outgoing, blocked: list[bool]) -> None:
@@ -454,23 +465,26 @@ class Queue(_Receiving):
                 _testhooks.reached("put.tokens")
             self._enqueue(_Outgoing(msg, tokens, None, k))
             return
-        out = _Outgoing(msg, tokens, ledger, k)
-        sock = self._reader._sock
         try:
-            if not ledger.enter(sock, block, timeout, k):
+            if not ledger.enter(self._reader._sock, block, timeout, k):
                 raise Full
         except BaseException:
-            out.abandon()
+            _Outgoing(msg, tokens, None).abandon()
             raise
+        out = None
         try:  # holding the ledger's W: write now, or count it reserved and leave it to the feeder
             if _hooks:
                 _testhooks.reached("put.tokens")
-            if not self._buffer and self._direct.acquire(False):
-                try:
-                    if self._write_now(out):
+            direct = self._direct
+            if not self._buffer and direct.acquire(False):
+                try:  # nothing buffered (W keeps it so): what _write_now does, in fewer calls
+                    if _write(self._writer, msg, tokens, ledger, k, False):
                         return
+                except Exception:
+                    pass  # the feeder meets it again and reports it as the stdlib does
                 finally:
-                    self._direct.release()
+                    direct.release()
+            out = _Outgoing(msg, tokens, ledger, k)
             ledger.reserve(k)
             out.reserved = True
             with self._notempty:
@@ -479,7 +493,9 @@ class Queue(_Receiving):
                 self._buffer.append(out)
                 self._notempty.notify()
         except BaseException:
-            if out.reserved:
+            if out is None:
+                out = _Outgoing(msg, tokens, None, k)
+            elif out.reserved:
                 out.reserved = False
                 ledger.reserve(-k)
             out.abandon()
