@@ -190,6 +190,8 @@ def test_fd_error_is_true_and_loses_only_the_message_that_met_a_full_table():
     assert "out of fds" in text and f"soft RLIMIT_NOFILE {_FD_LIMIT}" in text, text
     in_use = int(text.split(" of them for shared memory in use")[0].rsplit(" ", 1)[1])
     assert in_use >= kept_then and "keep fewer arrays alive" in text, text
+    # the fix that applies to fds held by arrays in use: the strategy without fds
+    assert "set_sharing_strategy('file_system')" in text, text
     assert len(values) == _MESSAGES - 1
     missing = sorted(set(range(_MESSAGES)) - set(values))
     assert missing == [kept_then] and values == sorted(values)
@@ -333,3 +335,23 @@ def test_a_fork_context_queue_works_in_a_spawn_child(kind):
     with pytest.raises(RuntimeError, match="fork context"):
         multiprocessing.get_context("spawn").Process(target=_put_hello, args=(stdlib_q,)).start()
     stdlib_q.close()
+
+
+def test_fd_error_names_the_hard_limit_when_the_soft_one_is_below_it():
+    """A soft limit below the hard one (soft 1024 is many distributions' default) can be raised
+    by the program itself: the error says so, with the hard limit."""
+    import resource
+
+    from tensormp.memory import fdbudget
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip(f"hard RLIMIT_NOFILE {hard}: no room below it")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        text = fdbudget.shortage(3, 1)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    shown = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+    assert f"raise the soft limit up to the hard one ({shown})" in text, text
+    assert "soft RLIMIT_NOFILE 256" in text and "resource.setrlimit" in text, text

@@ -113,10 +113,23 @@ def shortage(needed: int, got: int | None) -> str:
         ours = allocator.memory_stats()["fds"]
     received = "not all" if got is None else f"only {got}"
     fix = "keep fewer arrays alive, close files" if ours else "close files"
+    soft, hard = soft_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        raise_it = (
+            f"raise the soft limit up to the hard one ({'unlimited' if hard < 0 else hard}): "
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (n, hard)) at the start of the program "
+            "(its workers inherit it), or `ulimit -n` before it"
+        )
+    else:
+        raise_it = "raise the limit (`tensormp doctor` says how)"
+    if ours:
+        raise_it += (
+            ", or tensormp.set_sharing_strategy('file_system') (its arrays keep no fd once "
+            "mapped)"
+        )
     return (
         f"a message arrived with {needed} file descriptors but {received} could be received: "
-        f"this process is out of fds (soft RLIMIT_NOFILE {soft_limit()}; {open_fds()} open "
+        f"this process is out of fds (soft RLIMIT_NOFILE {soft}; {open_fds()} open "
         f"now, {ours} of them for shared memory in use here, none kept idle). The message was "
-        f"dropped and the connection stays usable; {fix}, or raise the limit (`tensormp "
-        "doctor` says how)"
+        f"dropped and the connection stays usable; {fix}, or {raise_it}"
     )
