@@ -267,6 +267,11 @@ def test_put_many_errors_raise_in_the_caller_and_put_nothing(kind, maxsize):
         q.put_many([np.zeros(4), threading.Lock(), np.ones(4)])  # the array copies are given back
     with pytest.raises(ValueError, match="max_messages_to_get"):
         q.get_many(max_messages_to_get=0)
+    for bad in (1.5, "3", None, True):
+        with pytest.raises(TypeError, match="max_messages_to_get must be an int"):
+            q.get_many(max_messages_to_get=bad)
+    q.put(7)
+    assert q.get_many(timeout=10, max_messages_to_get=np.int64(2)) == [7]  # a numpy integer
     with pytest.raises(queue.Empty):
         q.get_many(timeout=0.05)  # nothing of the refused batches
     if kind != "SimpleQueue":
@@ -403,3 +408,25 @@ def test_feeder_waits_without_spinning_while_every_payload_memfd_is_unread():
     assert cpu < 0.05, f"the feeder spun: {cpu:.2f} s of CPU in 1 s of waiting"
     q.close()
     q.join_thread()
+
+
+def test_task_done_counts_only_items_returned_by_get():
+    """Items of a batch this process took but no get returned yet are not "got": task_done()
+    for them raises, as the stdlib's for items never got, and join() keeps waiting."""
+    jq = mp.JoinableQueue()
+    jq.put_many([1, 2, 3])
+    assert jq.get_many(max_messages_to_get=1, timeout=10) == [1]
+    jq.task_done()
+    with pytest.raises(ValueError, match="too many times"):
+        jq.task_done()  # 2 and 3 were taken with 1, not returned
+    joined = threading.Event()
+    threading.Thread(target=lambda: (jq.join(), joined.set()), daemon=True).start()
+    assert not joined.wait(0.3)
+    assert jq.get_many(timeout=10) == [2, 3]
+    jq.task_done()
+    jq.task_done()
+    with pytest.raises(ValueError, match="too many times"):
+        jq.task_done()
+    assert joined.wait(10)
+    jq.close()
+    jq.join_thread()

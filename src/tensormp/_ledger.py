@@ -254,6 +254,7 @@ class Ledger:
         self._reclaim_due = False
         self._rcvtimeo = 0  # the bell's SO_RCVTIMEO as this process last set it (ms)
         self.tasks: collections.deque[Token] = collections.deque()
+        self.task_items = 0  # items of those tokens not marked done yet
         self._tlock = threading.Lock()  # around task_done()'s decrement
 
     def __getstate__(self) -> tuple[Any, ...]:
@@ -276,6 +277,7 @@ class Ledger:
         for t in self.tasks:
             t.close()
         self.tasks.clear()
+        self.task_items = 0
         if self._counts is not None:
             self._view = _NO_VIEW
             self._counts.close()
@@ -581,18 +583,23 @@ class Ledger:
 
     def keep_task(self, fd: int, items: int) -> None:
         """Keep the task token ``fd`` of a record of ``items`` items this process took."""
-        self.tasks.append(Token(fd, items))
+        with self._tlock:
+            self.tasks.append(Token(fd, items))
+            self.task_items += items
 
-    def task_done(self) -> None:
+    def task_done(self, not_returned: int = 0) -> None:
         """One item this process took is done; the oldest token closes at its last item.
+        ``not_returned``: items of those tokens that the queue still keeps for this process's
+        next ``get`` (the rest of a batch): they cannot be done yet.
 
         Raises:
-            ValueError: more calls than items taken.
+            ValueError: more calls than items taken and returned.
         """
         with self._tlock:  # threads of this process: one decrement at a time
             tasks = self.tasks
-            if not tasks:
+            if not tasks or self.task_items <= not_returned:
                 raise ValueError("task_done() called too many times")
+            self.task_items -= 1
             token = tasks[0]
             token.left -= 1
             if token.left > 0:

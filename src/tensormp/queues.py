@@ -45,8 +45,9 @@ the slots of messages a dead producer left to its feeder come back within a bloc
 a process that died is given back; an item whose taker died before ``task_done()`` counts as
 done: ``join()`` never waits for the dead. ``qsize()`` of a bounded queue is exact (records in
 the socket, by their numbers, plus messages left to feeders of live producers); of an
-unbounded queue it is approximate, and may stay off by one for each process killed in the
-middle of a ``put()`` or a ``get()``.
+unbounded queue it is approximate (as the stdlib's): it counts what was put, so a producer
+killed with items left to its feeder leaves it too high by those items, and a process killed in
+the middle of a ``get()`` by one.
 
 How put() writes
 ----------------
@@ -75,6 +76,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import operator
 import os
 import select
 import socket
@@ -202,9 +204,17 @@ def _batch_of(items: Any, queue: object) -> list[Any] | tuple[Any, ...]:
 
 
 def _max_items(max_messages_to_get: int) -> int:
-    if not isinstance(max_messages_to_get, int) or max_messages_to_get < 1:
+    if type(max_messages_to_get) is int and max_messages_to_get >= 1:
+        return max_messages_to_get
+    if isinstance(max_messages_to_get, bool) or not hasattr(max_messages_to_get, "__index__"):
+        raise TypeError(
+            "max_messages_to_get must be an int >= 1, got "
+            f"{type(max_messages_to_get).__name__} {max_messages_to_get!r}"
+        )
+    n = operator.index(max_messages_to_get)  # numpy integers too
+    if n < 1:
         raise ValueError(f"max_messages_to_get must be an int >= 1, got {max_messages_to_get!r}")
-    return max_messages_to_get
+    return n
 
 
 _MANY = 1_000_000_000  # get_many()'s default max_messages_to_get (faster-fifo's)
@@ -267,6 +277,7 @@ class _Receiving:
         Raises:
             queue.Empty: nothing arrived within ``timeout`` seconds (or at once).
             ValueError: the queue is closed, or ``max_messages_to_get < 1``.
+            TypeError: ``max_messages_to_get`` is not an integer (numpy integers are).
             FdLimitError: this process is out of fds (that record's items were dropped; the
                 items taken before it are returned by the next ``get``/``get_many``).
         """
@@ -790,9 +801,10 @@ class JoinableQueue(Queue):
         one each).
 
         Raises:
-            ValueError: called more times than this process got items.
+            ValueError: called more times than this process got items (items of a batch it
+                took that no ``get``/``get_many`` returned yet are not got).
         """
-        self._ledger.task_done()
+        self._ledger.task_done(len(self._pending))
 
     def join(self) -> None:
         """Block until every item put has been got and marked done with :meth:`task_done`
