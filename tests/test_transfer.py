@@ -6,6 +6,7 @@ with each sharing strategy.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -460,41 +461,51 @@ def _forward_back(q_in, q_out):
     q_in.get()  # stay until told: no exit-time records in between
 
 
-def test_forward_tells_holds_and_acquire_in_one_datagram():
-    """A process that forwards an array it received tells the creator that it holds it and
-    that one more handle is out in one datagram (one wake-up of the creator's release
-    thread), the hold first."""
+@contextlib.contextmanager
+def _release_records():
+    """The release records this process's release server handles meanwhile: a list of
+    ``(sender pid, [op, ...])``, one entry per datagram."""
     from tensormp.memory import allocator
 
     st = allocator._allocator
     st.address()
     server = st.server
     handler = server._handler
-    seen = []
+    seen: list = []
 
     def spy(pid, records):
         seen.append((pid, [r[0] for r in records]))
         handler(pid, records)
 
+    server._handler = spy
+    try:
+        yield seen
+    finally:
+        server._handler = handler
+
+
+def test_forward_tells_holds_and_acquire_in_one_datagram():
+    """A process that forwards an array it received tells the creator that it holds it and
+    that one more handle is out in one datagram (one wake-up of the creator's release
+    thread), the hold first."""
     ctx = mp.get_context("spawn")
     q1, q2 = ctx.SimpleQueue(), ctx.SimpleQueue()
     p = ctx.Process(target=_forward_back, args=(q1, q2))
-    server._handler = spy
-    p.start()
-    try:
-        a = mp.full(512, 1.0)
-        q1.put(a)
-        b = q2.get()
-        b[1] = 5.0
-        assert a[1] == 5.0  # the same memory came back
-        del a, b
-        assert wait_for(lambda: any(b"A" in ops for pid, ops in seen if pid == p.pid), 10.0)
-        first = next(ops for pid, ops in seen if pid == p.pid)
-        assert first == [b"H", b"A"], f"the forwarder's datagrams: {seen}"
-    finally:
-        server._handler = handler
-        q1.put(None)
-        p.join(30)
+    with _release_records() as seen:
+        p.start()
+        try:
+            a = mp.full(512, 1.0)
+            q1.put(a)
+            b = q2.get()
+            b[1] = 5.0
+            assert a[1] == 5.0  # the same memory came back
+            del a, b
+            assert wait_for(lambda: any(b"A" in ops for pid, ops in seen if pid == p.pid), 10.0)
+            first = next(ops for pid, ops in seen if pid == p.pid)
+            assert first == [b"H", b"A"], f"the forwarder's datagrams: {seen}"
+        finally:
+            q1.put(None)
+            p.join(30)
     assert p.exitcode == 0
     _stats_after(lambda s: s["remote_held_bytes"] == 0, 10.0)
 
@@ -511,34 +522,22 @@ def test_ping_pong_sends_no_release_per_round_trip():
     block for a moment after dropping it, so the next round trip reuses it instead of
     releasing it (``R``) and announcing a new hold (``H``) every time; the block is still given
     back once the ping-pong stops."""
-    from tensormp.memory import allocator
-
-    st = allocator._allocator
-    st.address()
-    server = st.server
-    handler = server._handler
-    ops = []
-
-    def spy(pid, records):
-        ops.extend(r[0] for r in records)
-        handler(pid, records)
-
     ctx = mp.get_context("spawn")
     q1, q2 = ctx.SimpleQueue(), ctx.SimpleQueue()
     p = ctx.Process(target=_echo_until_none, args=(q1, q2))
-    server._handler = spy
-    p.start()
     n = 300
-    try:
-        a = mp.zeros(512, dtype=np.int64)
-        for i in range(n):
-            q1.put(a)
-            a = q2.get()
-            assert a[0] == i + 1
-    finally:
-        q1.put(None)
-        p.join(30)
-        server._handler = handler
+    with _release_records() as seen:
+        p.start()
+        try:
+            a = mp.zeros(512, dtype=np.int64)
+            for i in range(n):
+                q1.put(a)
+                a = q2.get()
+                assert a[0] == i + 1
+        finally:
+            q1.put(None)
+            p.join(30)
+    ops = [op for _pid, pid_ops in seen for op in pid_ops]
     assert p.exitcode == 0
     assert ops.count(b"A") >= n - 1  # one acquire per forward, as before
     assert ops.count(b"R") + ops.count(b"D") <= n // 4, f"{ops.count(b'R')} releases"
