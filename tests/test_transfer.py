@@ -99,13 +99,16 @@ def test_readme_example(ctx):
 
 
 # -- every kind of array, through every queue kind ----------------------------------------------
-def _cases():
-    base = np.arange(24, dtype=np.float64).reshape(4, 6)
-    rec = np.zeros(3, dtype=[("x", "<i4"), ("y", ">f8"), ("s", "S5")])
-    rec["x"] = [1, 2, 3]
-    rec["y"] = [0.5, 1.5, 2.5]
-    rec["s"] = [b"a", b"bb", b"ccc"]
-    ro = np.arange(5, dtype=np.int16)
+def _cases(k=1):
+    """Arrays of every kind; ``k`` scales them (k=1: all small enough to cross by value; k=40:
+    all but the empty ones over 16 KiB, so they cross as handles to the sender's copy)."""
+    m = 8 * k * k  # repeats of the 1-D ones
+    base = np.arange(24 * k * k, dtype=np.float64).reshape(4 * k, 6 * k)
+    rec = np.zeros(3 * m, dtype=[("x", "<i4"), ("y", ">f8"), ("s", "S5")])
+    rec["x"] = np.arange(rec.size)
+    rec["y"] = np.arange(rec.size) + 0.5
+    rec["s"] = [b"a", b"bb", b"ccc"] * m
+    ro = np.arange(5 * m, dtype=np.int16)
     ro.flags.writeable = False
     return {
         "float64": base,
@@ -115,23 +118,29 @@ def _cases():
         "fortran": np.asfortranarray(base),
         "zero-size": np.empty((0, 5), dtype=np.float32),
         "0-d": np.array(3.5),
-        "bool": np.array([True, False, True]),
-        "complex": np.arange(4) * (1 + 2j),
-        "big-endian": np.arange(6, dtype=">i8"),
-        "float16": np.arange(6, dtype=np.float16),
-        "datetime64": np.array(["2024-01-01", "2026-11-29"], dtype="datetime64[D]"),
+        "bool": np.array([True, False, True] * m),
+        "complex": np.arange(4 * m) * (1 + 2j),
+        "big-endian": np.arange(6 * m, dtype=">i8"),
+        "float16": np.arange(6 * m, dtype=np.float16),
+        "datetime64": np.array(["2024-01-01", "2026-11-29"] * m, dtype="datetime64[D]"),
         "structured": rec,
         "read-only": ro,
-        "unicode": np.array(["héllo", "wörld"]),
+        "unicode": np.array(["héllo", "wörld"] * m),
+        "broadcast": np.broadcast_to(np.arange(6 * k, dtype=np.int32), (4 * k, 6 * k)),
     }
 
 
 @pytest.mark.parametrize("kind", ["Queue", "SimpleQueue", "JoinableQueue"])
-def test_every_dtype_and_layout(ctx, kind):
+@pytest.mark.parametrize("scale", [1, 40], ids=["by-value", "handle"])
+def test_every_dtype_and_layout(ctx, kind, scale):
+    if scale > 1 and kind != "Queue":
+        pytest.skip("the handle path is the same for every queue kind: Queue covers it")
+    cases = _cases(scale)
+    for name, arr in cases.items():
+        assert scale == 1 or arr.size == 0 or arr.ndim == 0 or arr.nbytes > 16 << 10, name
     q, out = getattr(ctx, kind)(), ctx.Queue()
     p = ctx.Process(target=_describe, args=(q, out))
     p.start()
-    cases = _cases()
     for name, arr in cases.items():
         q.put(arr)
         shared, got, writeable, _ = out.get(timeout=30)
@@ -225,6 +234,97 @@ def test_process_argument_not_shared_becomes_shared(method):
     assert done.get(timeout=30) is True  # the child got shared memory (one copy)
     p.join(30)
     assert (a == 0).all()  # the caller's own array was copied, not changed
+
+
+def _keep_and_report(q, out, n):
+    kept = [q.get(timeout=30) for _ in range(n)]
+    out.put((all(mp.is_shared(a) for a in kept), [int(a[0]) for a in kept],
+             mp.memory_stats()["blocks"]))
+    q.get(timeout=30)  # keep them until told
+
+
+def test_small_arrays_cross_by_value_and_the_sender_keeps_nothing():
+    """A fresh array of at most 16 KiB rides in the record: the receiver copies it into its own
+    shared memory; the sender allocates no block and waits for no release."""
+    ctx = mp.get_context("spawn")
+    q, out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_keep_and_report, args=(q, out, 50))
+    p.start()
+    before = mp.memory_stats()
+    for i in range(50):
+        q.put(np.full(512, i, dtype=np.float64))  # 4 KiB each
+    shared, firsts, blocks = out.get(timeout=30)
+    assert shared and firsts == list(range(50)) and blocks >= 50
+    after = mp.memory_stats()
+    assert after["remote_held_bytes"] == before["remote_held_bytes"]
+    assert after["blocks"] == before["blocks"]
+    q.put(None)
+    p.join(30)
+    assert p.exitcode == 0
+
+
+def test_small_arrays_become_handles_once_half_the_socket_buffer_waits():
+    """By-value records never fill more than half a socket's buffer: past that, small arrays
+    cross as handles again (about 1 KiB of buffer each, not 8), so a producer can still put
+    many and exit before anyone reads; every array arrives whole, in order, shared."""
+    from tensormp import reducers
+
+    r, w = mp.Pipe(duplex=False)
+    sent = 0
+    while w.by_value_room() >= 4096:
+        w.send(np.full(512, sent, dtype=np.float64))
+        sent += 1
+    assert sent >= 3
+    msg = reducers.dumps(np.full(512, sent, dtype=np.float64), w.by_value_room)
+    assert len(msg.fds) == 1 and not msg.by_value  # a handle now
+    msg.abandon()
+    for _ in range(20):
+        w.send(np.full(512, sent, dtype=np.float64))
+        sent += 1
+    for i in range(sent):
+        a = r.recv()
+        assert mp.is_shared(a) and a.shape == (512,) and (a == i).all()
+    msg = reducers.dumps(np.zeros(512), w.by_value_room)
+    assert msg.by_value and not msg.fds  # the socket is empty again: by value
+    r.close()
+    w.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_small_array_received_without_shared_memory_arrives_private(tmp_path):
+    """A receiver that cannot get shared memory for an array sent by value (file_system, a
+    full shm directory) keeps a private copy and warns once: the item is never lost."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare(1) is not installed")
+    small = tmp_path / "small"
+    small.mkdir()
+    code = (
+        "import warnings, numpy as np, tensormp as mp\n"
+        "mp.set_sharing_strategy('file_system')\n"
+        "r, w = mp.Pipe(duplex=False)\n"
+        "w.send(np.arange(100.0)); w.send(np.arange(100.0) * 2)\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    a, b = r.recv(), r.recv()\n"
+        "assert (a == np.arange(100.0)).all() and (b == 2 * a).all(), (a, b)\n"
+        "assert not mp.is_shared(a) and a.flags.writeable\n"
+        "assert len(caught) == 1 and 'private' in str(caught[0].message), caught\n"
+        "try:\n"
+        "    w.send(np.zeros(1 << 20))  # a large one still needs the sender's shared memory\n"
+        "except mp.SharedMemoryError:\n"
+        "    print('OK')\n"
+    )
+    script = f"mount -t tmpfs -o size=1m tmpfs {small} && {sys.executable} -c \"$CODE\""
+    env = dict(os.environ, TENSORMP_SHM_DIR=str(small), CODE=code)
+    out = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, timeout=60,
+                         text=True, env=env)
+    if "mount" in out.stderr and out.returncode == 32:
+        pytest.skip(f"cannot mount a tmpfs in a new mount namespace here: {out.stderr.strip()}")
+    assert out.returncode == 0 and out.stdout.strip() == "OK", out.stdout + out.stderr
 
 
 # -- lifetime -----------------------------------------------------------------------------------

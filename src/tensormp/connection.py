@@ -57,6 +57,7 @@ import os
 import select
 import socket
 import struct
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from multiprocessing import connection as _mpc
@@ -76,6 +77,11 @@ _HEADER_SIZE = HEADER.size
 LARGE = 1
 BAG = 2
 INLINE_MAX = 64 << 10
+_SIOCOUTQ = 0x5411  # ioctl: bytes sent on a socket and not read yet (linux/sockios.h, TIOCOUTQ)
+_INT_ZERO = bytes(4)
+_ioctl = fcntl.ioctl
+_from_bytes = int.from_bytes
+_ORDER = sys.byteorder
 NO_SLOT = 0xFFFFFFFF
 _RECORD_MAX = HEADER.size + INLINE_MAX
 _MAX_FDS = _fdpass.MAX_FDS
@@ -479,6 +485,22 @@ class Connection(_mpc.Connection):
         buf.seek(0, io.SEEK_END)
         return buf
 
+    def by_value_room(self) -> int:
+        """Bytes of arrays the next message may carry by value (``Message.take_by_value``): half
+        of this socket's send buffer less what waits in it unread (``SIOCOUTQ``: the
+        kernel's count for the socket, all writers' records together), 0 when it cannot tell."""
+        try:
+            room: int = self._room_max
+            return room - _from_bytes(_ioctl(self._handle, _SIOCOUTQ, _INT_ZERO), _ORDER)
+        except AttributeError:  # the first call: half the send buffer, once
+            sock = self.__dict__.get("_sock")
+            if sock is None:  # closed
+                return 0
+            self._room_max: int = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 2
+            return self.by_value_room()
+        except (OSError, TypeError):  # closed (TypeError: no handle any more)
+            return 0
+
     # -- objects ------------------------------------------------------------------------------
     def send(self, obj: Any) -> None:
         """Send a picklable object; arrays go as shared-memory handles.
@@ -489,7 +511,7 @@ class Connection(_mpc.Connection):
         if self._handle is None or not self._writable:  # the stdlib's checks, without 2 calls
             self._check_closed()
             self._check_writable()
-        msg = reducers.dumps(obj)
+        msg = reducers.dumps(obj, self.by_value_room)
         try:
             _flush_release_records()  # holds reach creators before our results do
             self.write_record(msg.data, msg.fds)

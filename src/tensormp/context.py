@@ -132,8 +132,8 @@ class _ProcessMixin:
 
         msg = reducers.dumps(dict(self.__dict__))
         fds: list[Any] | None = [popen.DupFd(popen.duplicate_for_child(fd)) for fd in msg.fds]
-        if not (fds or msg.noted or msg.keepalive):
-            # No handle in it (each carries an fd, or pins a block): the child unpickles it
+        if not (fds or msg.noted or msg.keepalive or msg.by_value):
+            # No array in it (a handle carries an fd or pins a block): the child unpickles it
             # without loading tensormp's reducers, as a stdlib child would (~5 ms of CPU).
             fds = None
         self.__dict__["_tensormp_keepalive"] = msg.keepalive

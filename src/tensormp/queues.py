@@ -105,8 +105,10 @@ _SEM_VALUE_MAX = 2**31 - 1
 # write): measured, the slowest round of 20,000 kept 4 KiB arrays went from 26 to 21 us/item.
 # Never waited for while the feeder is in a blocking write.
 _DIRECT_WAIT = 0.001
-# Asked for as a bounded queue's send buffer (the kernel caps it at net.core.wmem_max): the
-# default (208 KiB) holds about 270 small records, fewer than most maxsizes.
+# Asked for as every queue's send buffer (the kernel caps it at net.core.wmem_max; it is a limit,
+# not memory taken): the default (208 KiB) holds about 270 small records, fewer than most
+# maxsizes, and only 25 of a small array sent by value (8 KiB of buffer each), which may fill
+# only half of it (Connection.by_value_room): a larger one lets them flow where it is allowed.
 _SNDBUF_MAX = 4 << 20
 _EPOLLEXCLUSIVE = getattr(select, "EPOLLEXCLUSIVE", 1 << 28)
 # A writer whose every payload memfd is unread (connection.py) retries after this back-off
@@ -115,6 +117,10 @@ _IDLE_FIRST = 0.001
 _IDLE_MAX = 0.05
 _sentinel = object()
 _hooks = _testhooks.armed
+
+
+def _large_buffer(writer: Connection) -> None:
+    writer._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SNDBUF_MAX)
 
 
 class _Outgoing:
@@ -347,8 +353,7 @@ class Queue(_Receiving):
         self._maxsize = maxsize
         self._reader, self._writer = Pipe(duplex=False)
         self._ledger = Ledger(maxsize, self._joinable)
-        if maxsize:  # room for maxsize small records, so that put() rarely needs the feeder
-            self._writer._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SNDBUF_MAX)
+        _large_buffer(self._writer)  # room for maxsize small records: put() rarely needs the feeder
         self._opid = os.getpid()
         self._ignore_epipe = False
         self._reset()
@@ -391,7 +396,7 @@ class Queue(_Receiving):
         """Put ``obj`` on the queue; arrays travel as shared-memory handles."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
-        msg = reducers.dumps(obj)  # errors raise here, in the caller
+        msg = reducers.dumps(obj, self._writer.by_value_room)  # errors raise here, in the caller
         if _hooks:
             _testhooks.reached("put.begin")
         if not self._plain:
@@ -447,7 +452,9 @@ class Queue(_Receiving):
                 f"takes one slot per item and can never fit; split it into batches of at most "
                 f"{self._maxsize}"
             )
-        msg = reducers.dumps(items[0] if k == 1 else _Batch(items))  # errors raise here
+        msg = reducers.dumps(  # errors raise here
+            items[0] if k == 1 else _Batch(items), self._writer.by_value_room
+        )
         if _hooks:
             _testhooks.reached("put.begin")
         if self._plain:
@@ -827,6 +834,7 @@ class SimpleQueue(_Receiving):
 
     def __init__(self, *, ctx: Any = None) -> None:
         self._reader, self._writer = Pipe(duplex=False)
+        _large_buffer(self._writer)
         self._setup()
 
     def _setup(self) -> None:
@@ -863,7 +871,7 @@ class SimpleQueue(_Receiving):
         return self._first(obj) if type(obj) is _Batch else obj
 
     def put(self, obj: Any) -> None:
-        msg = reducers.dumps(obj)
+        msg = reducers.dumps(obj, self._writer.by_value_room)
         try:
             self._writer.send_message(msg)
         except BaseException:
@@ -887,8 +895,8 @@ class SimpleQueue(_Receiving):
         k = len(_batch_of(items, self))
         if not k:
             return
-        msg = reducers.dumps(items[0] if k == 1 else _Batch(items))
         writer = self._writer
+        msg = reducers.dumps(items[0] if k == 1 else _Batch(items), writer.by_value_room)
         try:
             if block and timeout is None:
                 writer.send_message(msg)

@@ -78,6 +78,10 @@ _PROTOCOL = pickle.HIGHEST_PROTOCOL
 # receiver must have imported the function's module first: loads() does when the message holds
 # the code. The codes are far from the ranges PEP 307 assigns; a clash raises at import.
 NDARRAY_EXT = 0x746D7001
+NDARRAY_COPY_EXT = 0x746D7002
+# The most bytes of arrays one message carries by value (Message.take_by_value): its record
+# stays under connection.INLINE_MAX, with room for the pickle around them.
+BY_VALUE_MAX = 32 << 10
 
 
 class ArrayHelpers(Protocol):
@@ -109,7 +113,8 @@ class ArrayLibrary(NamedTuple):  # not a dataclass: `dataclasses` costs a child 
 
 # The table, in dispatch order.
 LIBRARIES: tuple[ArrayLibrary, ...] = (
-    ArrayLibrary("numpy", "tensormp.reducers.numpy", "tensormp.reducers.numpy", (NDARRAY_EXT,)),
+    ArrayLibrary("numpy", "tensormp.reducers.numpy", "tensormp.reducers.numpy",
+                 (NDARRAY_EXT, NDARRAY_COPY_EXT)),
     ArrayLibrary("torch", "tensormp.reducers.torch", "tensormp.torch_utils"),
 )
 # (pickle bytes naming a rebuild function's extension code, its reducer module), of those
@@ -241,18 +246,43 @@ class Message:
         keepalive: objects that own those fds (and copies made for the message); keep the
             message alive until it is sent.
         noted: this process's own blocks a handle was counted for.
+        by_value: an array crosses by value in it (no fd, no block), rebuilt by tensormp's
+            reducers all the same.
     """
 
-    __slots__ = ("data", "fds", "keepalive", "noted", "copy_private", "_index", "_undo")
+    __slots__ = (
+        "data", "fds", "keepalive", "noted", "copy_private", "by_value", "_room", "_left",
+        "_index", "_undo",
+    )
 
-    def __init__(self) -> None:
+    def __init__(self, room: Callable[[], int] | None = None) -> None:
         self.data = b""
         self.copy_private = False  # set by a copy_private() wrapper: see the module notes
+        self.by_value = False  # an array crossed by value: its rebuild needs tensormp's reducers
+        self._room = room  # the channel's by-value room (see take_by_value), asked once
+        self._left = -1  # by-value bytes this message may still carry (-1: not asked yet)
         self.fds: list[int] = []
         self.keepalive: list[object] = []
         self.noted: list[Block] = []
         self._index: dict[object, int] | None = None
         self._undo: _Undo | None = None
+
+    def take_by_value(self, nbytes: int) -> bool:
+        """Whether an array of ``nbytes`` may cross by value in this message (its bytes in the
+        record: ``reducers.numpy``), counting it if so. A message carries at most
+        ``BY_VALUE_MAX`` bytes so; on a channel, at most the room it reports (half its send
+        buffer less what waits in it), so that by-value records never fill a socket that
+        nobody reads yet: the messages after them cross as handles, as small as ever."""
+        left = self._left
+        if left < 0:
+            room = self._room
+            left = BY_VALUE_MAX if room is None else min(BY_VALUE_MAX, room())
+        if nbytes > left:
+            self._left = max(left, 0)
+            return False
+        self._left = left - nbytes
+        self.by_value = True
+        return True
 
     def on_abandon(self, undo: Callable[..., None], *args: Any) -> None:
         """Register ``undo(*args)`` to run if this message is never sent (see :meth:`abandon`)."""
@@ -353,9 +383,12 @@ class _Chunks(list[bytes]):
         self.write = self.append
 
 
-def dumps(obj: object) -> Message:
-    """Pickle ``obj`` for a tensormp channel. Errors raise here, in the caller."""
-    msg = Message()
+def dumps(obj: object, room: Callable[[], int] | None = None) -> Message:
+    """Pickle ``obj`` for a tensormp channel. Errors raise here, in the caller.
+
+    ``room``: the channel's ``Connection.by_value_room`` (see :meth:`Message.take_by_value`).
+    """
+    msg = Message(room)
     if type(obj) in _PLAIN:  # the common small message: 0.6 us of the 1.4 us below
         msg.data = _plain_dumps(obj, _PROTOCOL)
         return msg

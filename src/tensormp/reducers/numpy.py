@@ -16,6 +16,15 @@ pickle whatever the array's size. The bytes themselves never enter the pickle.
   is copied element by element in C order) and that block crosses; the receiver gets a shared,
   writable array (even if the sender's was read-only: the copy is the receiver's own, as the
   stdlib's unpickled copy is), the sender's array is untouched.
+* ... except one of at most ``COPY_INLINE_MAX`` bytes (16 KiB): its bytes ride in the record
+  itself and the receiver copies them into a block of *its own* shared memory
+  (``rebuild_ndarray_copy``), so it arrives exactly as above (shared, writable, same layout).
+  No block, fd, hold or release message exists for it on the sender's side, and nothing of it
+  is pinned by a message that is never received; copying 4 KiB twice more costs well under a
+  microsecond, the handle's round of bookkeeping about 20 us of CPU (measured: a fresh 4 KiB
+  array through a Queue, 44 -> 20 us of CPU for both sides). A receiver that cannot get shared
+  memory for it (a full ``/dev/shm`` under ``file_system``) keeps a private copy and warns once:
+  the item is delivered, never lost.
 * A read-only view of shared memory arrives read-only (the receiver's view of the same bytes
   keeps the sender's flag).
 * Arrays whose dtype holds Python objects, and numpy subclasses (``np.memmap``,
@@ -40,12 +49,17 @@ from __future__ import annotations
 import ctypes
 import pickle
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from .. import memory
+from ..errors import SharedMemoryError
+from ..memory.allocator import (
+    allocate as _allocate,
+)
 from ..memory.allocator import (
     allocate_sent,
     attach,
@@ -56,6 +70,7 @@ from ..memory.allocator import (
 )
 from ..memory.segment import unpack_wire
 from . import (
+    NDARRAY_COPY_EXT,
     NDARRAY_EXT,
     current_message,
     current_process_args_parent,
@@ -130,6 +145,9 @@ def _pick_address() -> Callable[[np.ndarray], int]:
 
 _data_address = _pick_address()
 
+# Arrays of at most this many bytes that are not shared yet cross by value (see the notes).
+COPY_INLINE_MAX = 16 << 10
+
 
 def _dtype_token(dt: np.dtype) -> np.dtype | str:
     # A plain dtype travels as its short string ('<f4'): much cheaper to pickle than the object.
@@ -156,6 +174,12 @@ def reduce_ndarray(a: np.ndarray) -> str | tuple[Any, ...]:
     if msg is None or a.dtype.hasobject:
         return a.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
     found = find_block(a)
+    if found is None and a.nbytes <= COPY_INLINE_MAX and msg.take_by_value(a.nbytes):
+        # Small and not shared yet: its bytes ride in the record and the receiver copies them
+        # into a block of its own (see the module notes).
+        if a.flags.f_contiguous and not a.flags.c_contiguous:
+            return rebuild_ndarray_copy, (a.tobytes("F"), _token(a.dtype), a.shape, a.strides)
+        return rebuild_ndarray_copy, (a.tobytes(), _token(a.dtype), a.shape, None)
     if found is None:
         # Not shared yet: one copy into a fresh block that only the receiver will view (this
         # process keeps none: see allocate_sent); its handle is counted as it is made. The
@@ -232,6 +256,41 @@ def rebuild_ndarray(
     return a
 
 
+def rebuild_ndarray_copy(
+    data: bytes, dtype: np.dtype | str, shape: tuple[int, ...], strides: tuple[int, ...] | None
+) -> np.ndarray:
+    """A small array that crossed by value (``reduce_ndarray``): copied into a block of this
+    process's shared memory, so that it arrives shared, as a large one does. Where that block
+    cannot be had, a private copy (the item is never lost on the receiving side); warns once.
+    """
+    n = len(data)
+    try:
+        root = _allocate(n)
+    except SharedMemoryError as e:
+        _warn_private(e)
+        private: np.ndarray = np.ndarray(shape, dtype, bytearray(data), 0, strides)
+        return private
+    root.data[:n] = data  # (a memoryview's copy: a fifth of np.copyto's call here)
+    a: np.ndarray = np.ndarray(shape, dtype, root, 0, strides)
+    return a
+
+
+_warned_private = False
+
+
+def _warn_private(e: SharedMemoryError) -> None:
+    global _warned_private
+    if not _warned_private:
+        _warned_private = True
+        warnings.warn(
+            f"tensormp: a small array received by value could not be placed in shared memory "
+            f"({e}); it and others like it arrive as private arrays (tensormp.is_shared() is "
+            "False), which is all that differs",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
 # -- helpers of tensormp.share / is_shared (the reducer table's ``helpers`` for numpy) ---------
 def handles(obj: object) -> bool:
     """True for numpy arrays (subclasses included)."""
@@ -265,4 +324,5 @@ def share(a: np.ndarray) -> np.ndarray:
 
 register(np.ndarray, reduce_ndarray)
 register_extension(rebuild_ndarray, NDARRAY_EXT)
+register_extension(rebuild_ndarray_copy, NDARRAY_COPY_EXT)
 mark_loaded(__name__)
