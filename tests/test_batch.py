@@ -430,3 +430,12 @@ def test_task_done_counts_only_items_returned_by_get():
     assert joined.wait(10)
     jq.close()
     jq.join_thread()
+
+
+def test_faster_fifo_max_size_bytes_is_a_clear_type_error():
+    """Code moved from faster_fifo.Queue(max_size_bytes=..., maxsize=...) is told what to do."""
+    for kind in ("Queue", "JoinableQueue"):
+        with pytest.raises(TypeError, match=rf"{kind}\(\) has no max_size_bytes .*maxsize=N"):
+            getattr(mp, kind)(maxsize=4, max_size_bytes=1 << 20)
+        with pytest.raises(TypeError, match="unexpected keyword argument 'size'"):
+            getattr(mp, kind)(size=4)

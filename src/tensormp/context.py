@@ -201,6 +201,21 @@ def _exit_as_forked(code: int) -> None:
     os._exit(code)
 
 
+def _no_other_keywords(kind: str, unknown: dict[str, Any]) -> None:
+    """The stdlib's TypeError for an unexpected keyword, with faster-fifo's named: code moved
+    from ``faster_fifo.Queue(max_size_bytes=..., maxsize=...)`` meets it first."""
+    if not unknown:
+        return
+    name = next(iter(unknown))
+    if name == "max_size_bytes":
+        raise TypeError(
+            f"{kind}() has no max_size_bytes (faster-fifo's byte size of its ring buffer): a "
+            "tensormp queue has no fixed buffer (arrays travel as shared-memory handles, other "
+            f"objects as records of any size); drop it, and bound the items with {kind}(maxsize=N)"
+        )
+    raise TypeError(f"{kind}() got an unexpected keyword argument {name!r}")
+
+
 def _settings() -> dict[str, Any]:
     """What a child inherits from its parent besides its arguments: the sharing strategy (torch
     drops it under spawn and forkserver) and the program it belongs to (``file_system``)."""
@@ -296,16 +311,27 @@ class _ContextMixin:
             return self
         return _lookup(method, self._die_with_parent)
 
-    def Queue(self, maxsize: int = 0) -> Any:
-        """A :class:`tensormp.queues.Queue` (arrays travel as shared memory)."""
+    def Queue(self, maxsize: int = 0, **unknown: Any) -> Any:
+        """A :class:`tensormp.queues.Queue` (arrays travel as shared memory).
+
+        Raises:
+            TypeError: a keyword other than ``maxsize`` (faster-fifo's ``max_size_bytes``
+                named, with what to do instead).
+        """
         from .queues import Queue
 
+        _no_other_keywords("Queue", unknown)
         return Queue(maxsize, ctx=self.get_context())
 
-    def JoinableQueue(self, maxsize: int = 0) -> Any:
-        """A :class:`tensormp.queues.JoinableQueue` (arrays travel as shared memory)."""
+    def JoinableQueue(self, maxsize: int = 0, **unknown: Any) -> Any:
+        """A :class:`tensormp.queues.JoinableQueue` (arrays travel as shared memory).
+
+        Raises:
+            TypeError: as :meth:`Queue`.
+        """
         from .queues import JoinableQueue
 
+        _no_other_keywords("JoinableQueue", unknown)
         return JoinableQueue(maxsize, ctx=self.get_context())
 
     def SimpleQueue(self) -> Any:

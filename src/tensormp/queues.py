@@ -67,9 +67,13 @@ the feeder has written it; from then on the kernel holds the fds in flight.
 A bounded queue's ``put()`` takes the ledger's write lock ``W`` first (room check, write, count;
 ``_ledger.py``), then ``_direct``; so does the feeder: one order, no deadlock. Holding ``W``
 keeps the feeder's buffer as it is, so a bounded ``put()`` that finds it empty writes through
-``_write`` at once, without an ``_Outgoing``. Its socket asks for
-a 4 MiB send buffer (the kernel caps it at ``net.core.wmem_max``), so that ``maxsize`` small
-records fit and ``put()`` rarely leaves one to the feeder.
+``_write`` at once, without an ``_Outgoing``.
+
+Every queue's socket asks for a 4 MiB send buffer (the kernel caps it at
+``net.core.wmem_max``), so that ``maxsize`` small records fit and ``put()`` rarely leaves one to
+the feeder; small arrays sent by value (``reducers/numpy.py``) may fill half of it, and the
+messages after that carry them as handles (about 1 KiB of buffer each, against 8 KiB by value),
+so a producer can still put many and exit before anyone reads, as before.
 """
 
 from __future__ import annotations
