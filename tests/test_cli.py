@@ -157,6 +157,26 @@ def test_doctor_healthy(shm, capsys):
                for line in out.splitlines()[1:-2] if line.strip()), out
 
 
+def test_a_missing_shm_directory_is_said_once_and_named_where_it_came_from(shm, tmp_path,
+                                                                               capsys):
+    """doctor labels a --shm-dir as such and says nothing further of a directory that is not
+    there; ls and gc stop with status 2 instead of reporting an empty directory."""
+    missing = str(tmp_path / "missing")
+    status, out = run_cli(capsys, "doctor", "--json", "--shm-dir", missing)
+    by_id = {c["check"]: c for c in json.loads(out)["checks"]}
+    assert status == 1 and by_id["shm_dir"]["status"] == "PROBLEM"
+    assert f"{missing} (--shm-dir) does not exist" in by_id["shm_dir"]["message"]
+    assert by_id["daemon"]["status"] == "INFO" and "no such directory" in by_id["daemon"]["message"]
+    assert "orphans" not in by_id and by_id["segments"]["status"] == "INFO"
+    status, out = run_cli(capsys, "doctor", "--json")  # the fixture's TENSORMP_SHM_DIR
+    shm_check = next(c for c in json.loads(out)["checks"] if c["check"] == "shm_dir")
+    assert "(TENSORMP_SHM_DIR)" in shm_check["message"]
+    for command in ("ls", "gc"):
+        assert cli.main([command, "--shm-dir", missing]) == 2
+        err = capsys.readouterr().err
+        assert f"tensormp {command}: shm directory {missing} (--shm-dir) does not exist" in err
+
+
 def test_ls_shows_memfd_segments_of_live_processes(shm, capsys):
     """A default-strategy process holds a memfd: ls names it, its size and its holder."""
     proc, pid = _start(MAKER, "file_descriptor", shm=shm)

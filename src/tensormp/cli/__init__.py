@@ -108,7 +108,18 @@ def main(argv: list[str] | None = None) -> int:
         raises ``SystemExit(2)`` itself).
     """
     args = _parser().parse_args(argv)
-    args.shm_dir = args.shm_dir or names.shm_dir()
+    if args.shm_dir:
+        args.shm_origin = "--shm-dir"
+    else:
+        args.shm_origin = "TENSORMP_SHM_DIR" if os.environ.get("TENSORMP_SHM_DIR") else "the default"
+        args.shm_dir = names.shm_dir()
+    if args.command in ("ls", "gc") and args.shm_origin != "the default" and not os.path.isdir(
+        args.shm_dir
+    ):  # a directory the user named: a typo must not read as "nothing there"
+        print(f"tensormp {args.command}: shm directory {args.shm_dir} ({args.shm_origin}) "
+              f"{'is not a directory' if os.path.exists(args.shm_dir) else 'does not exist'}",
+              file=sys.stderr)
+        return 2
     try:
         return int(args.run(args))
     except BrokenPipeError:  # `tensormp ls | head`: silence the flush at exit too

@@ -67,8 +67,7 @@ def _mount_of(path: str) -> tuple[str, str] | None:
     return best
 
 
-def _check_shm(shm: str) -> list[Check]:
-    where = "TENSORMP_SHM_DIR" if os.environ.get("TENSORMP_SHM_DIR") else "the default"
+def _check_shm(shm: str, where: str) -> list[Check]:
     if not os.path.isdir(shm):
         return [Check(
             "shm_dir", "PROBLEM",
@@ -274,6 +273,9 @@ def _check_torch() -> Check:
 
 
 def _check_daemon(shm: str) -> Check:
+    if not os.path.isdir(shm):  # (the shm_dir check says so)
+        return Check("daemon", "INFO", f"no cleanup daemon can serve {shm}: no such directory",
+                     data={"running": False})
     state, error = daemon_state(shm)
     if error is not None:
         return Check("daemon", "WARN", f"cannot ask the cleanup daemon of {shm}: {error}",
@@ -297,7 +299,9 @@ def _check_segments(shm: str) -> list[Check]:
     live = [r for r in files if r.status == "live"]
     memfds = memfd_rows(scan)
     out = []
-    if orphans:
+    if not os.path.isdir(shm):
+        pass  # no directory, no orphans in it (the shm_dir check says so)
+    elif orphans:
         names = ", ".join(r.name for r in orphans[:3]) + (", ..." if len(orphans) > 3 else "")
         out.append(Check(
             "orphans", "PROBLEM",
@@ -322,9 +326,9 @@ def _check_segments(shm: str) -> list[Check]:
     return out
 
 
-def _doctor_checks(shm: str) -> list[Check]:
+def _doctor_checks(shm: str, where: str = "the default") -> list[Check]:
     steps: list[Callable[[], Check | list[Check]]] = [
-        lambda: _check_shm(shm), _check_semaphores, _check_memfd, _check_nofile,
+        lambda: _check_shm(shm, where), _check_semaphores, _check_memfd, _check_nofile,
         _check_map_count, _check_memory, _check_start_method, _check_torch,
         lambda: _check_daemon(shm), lambda: _check_segments(shm),
     ]
@@ -343,7 +347,7 @@ def _doctor_checks(shm: str) -> list[Check]:
 def run(args: argparse.Namespace) -> int:
     from .. import __version__
 
-    checks = _doctor_checks(args.shm_dir)
+    checks = _doctor_checks(args.shm_dir, args.shm_origin)
     problems = sum(c.status == "PROBLEM" for c in checks)
     warnings = sum(c.status == "WARN" for c in checks)
     status = 1 if problems else 0
