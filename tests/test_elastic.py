@@ -1,5 +1,6 @@
 """spawn() beyond one machine (issue #13 items 6, 7): real torchrun, real elastic launchers, real
-gloo, two "nodes" on 127.0.0.1 inside one private network namespace (root: ``unshare -n``).
+gloo, two "nodes" on 127.0.0.1 inside one private network and mount namespace (root:
+``unshare -n -m``, a tmpfs of their own on /dev/shm).
 
 Each multi-node case costs 10-40 s on 2 cores (every launcher and worker imports torch, the c10d
 rendezvous forms): the default suite has four of them, the rest are marked slow.
@@ -60,12 +61,15 @@ def _gone(pid: int) -> bool:
 
 def run_nodes(tmp_path: Path, commands: list[list[str]], timeout: float) -> list[list[dict]]:
     """Run each command as one node, all in one fresh network namespace where only loopback
-    exists; returns each node's JSON lines. Kills the whole session at ``timeout``."""
-    lines = ["ip link set lo up"]
+    exists, with a /dev/shm of their own (a private mount namespace and tmpfs: what a killed
+    node leaves there, such as the stdlib semaphores of torch elastic's agent, goes with it, as
+    it would with its machine); returns each node's JSON lines. Kills the whole session at
+    ``timeout``."""
+    lines = ["mount -t tmpfs -o size=1g tmpfs /dev/shm", "ip link set lo up"]
     for i, cmd in enumerate(commands):
         lines.append(f"{shlex.join(cmd)} >{tmp_path}/node{i}.out 2>{tmp_path}/node{i}.err &")
     lines.append("wait")
-    proc = subprocess.Popen(["unshare", "-n", "sh", "-c", "\n".join(lines)],
+    proc = subprocess.Popen(["unshare", "-n", "-m", "sh", "-c", "\n".join(lines)],
                             start_new_session=True)
     try:
         proc.wait(timeout)
@@ -306,13 +310,13 @@ def kill_a_node(tmp_path: Path, cmd: list[str], port: int, victim: str, timeout:
     """Two nodes running ``cmd`` (an all-reduce loop); once both run, SIGKILL one launcher and
     its ranks (``victim``: "store", the node that hosts the job's store, or "other"). Returns
     (the survivor's JSON lines, its stderr, seconds from the kill to the survivor's outcome
-    line, seconds from the kill to the survivor's exit)."""
-    lines = ["ip link set lo up"]
+    line, seconds from the kill to the survivor's exit). A /dev/shm of their own, as run_nodes."""
+    lines = ["mount -t tmpfs -o size=1g tmpfs /dev/shm", "ip link set lo up"]
     for i in range(2):
         lines.append(f"{shlex.join(cmd)} >{tmp_path}/node{i}.out 2>{tmp_path}/node{i}.err &")
         lines.append(f"echo $! >{tmp_path}/node{i}.pid")
     lines.append("wait")
-    proc = subprocess.Popen(["unshare", "-n", "sh", "-c", "\n".join(lines)],
+    proc = subprocess.Popen(["unshare", "-n", "-m", "sh", "-c", "\n".join(lines)],
                             start_new_session=True)
     try:
         deadline = time.monotonic() + timeout
