@@ -77,6 +77,8 @@ _HEADER_SIZE = HEADER.size
 LARGE = 1
 BAG = 2
 INLINE_MAX = 64 << 10
+# What every Pipe() (so every queue) asks for as its send buffer: see Pipe().
+SNDBUF = 4 << 20
 _SIOCOUTQ = 0x5411  # ioctl: bytes sent on a socket and not read yet (linux/sockios.h, TIOCOUTQ)
 _INT_ZERO = bytes(4)
 _ioctl = fcntl.ioctl
@@ -589,8 +591,14 @@ def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:
     Both ends are Unix ``SOCK_SEQPACKET`` sockets (even for ``duplex=False``, which the stdlib
     builds from ``os.pipe``) so that fds can travel with messages and every message is one
     atomic record. With ``duplex=False`` the first end only receives and the second only sends.
+    A sending end asks for a send buffer of ``SNDBUF`` bytes (the kernel caps it at
+    ``net.core.wmem_max``, 208 KiB by default; a limit, not memory taken): room for thousands of
+    unread records of handles, of which small arrays sent by value may fill half
+    (:meth:`Connection.by_value_room`).
     """
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    for end in (a, b) if duplex else (b,):
+        end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF)
     fa, fb = a.detach(), b.detach()
     if duplex:
         return Connection(fa), Connection(fb)

@@ -69,11 +69,11 @@ A bounded queue's ``put()`` takes the ledger's write lock ``W`` first (room chec
 keeps the feeder's buffer as it is, so a bounded ``put()`` that finds it empty writes through
 ``_write`` at once, without an ``_Outgoing``.
 
-Every queue's socket asks for a 4 MiB send buffer (the kernel caps it at
+Every queue's socket asks for a 4 MiB send buffer (``connection.SNDBUF``; the kernel caps it at
 ``net.core.wmem_max``), so that ``maxsize`` small records fit and ``put()`` rarely leaves one to
 the feeder; small arrays sent by value (``reducers/numpy.py``) may fill half of it, and the
 messages after that carry them as handles (about 1 KiB of buffer each, against 8 KiB by value),
-so a producer can still put many and exit before anyone reads, as before.
+so that a producer can still put thousands and exit before anyone reads.
 """
 
 from __future__ import annotations
@@ -109,11 +109,6 @@ _SEM_VALUE_MAX = 2**31 - 1
 # write): measured, the slowest round of 20,000 kept 4 KiB arrays went from 26 to 21 us/item.
 # Never waited for while the feeder is in a blocking write.
 _DIRECT_WAIT = 0.001
-# Asked for as every queue's send buffer (the kernel caps it at net.core.wmem_max; it is a limit,
-# not memory taken): the default (208 KiB) holds about 270 small records, fewer than most
-# maxsizes, and only 25 of a small array sent by value (8 KiB of buffer each), which may fill
-# only half of it (Connection.by_value_room): a larger one lets them flow where it is allowed.
-_SNDBUF_MAX = 4 << 20
 _EPOLLEXCLUSIVE = getattr(select, "EPOLLEXCLUSIVE", 1 << 28)
 # A writer whose every payload memfd is unread (connection.py) retries after this back-off
 # (seconds, doubling), holding no lock.
@@ -121,10 +116,6 @@ _IDLE_FIRST = 0.001
 _IDLE_MAX = 0.05
 _sentinel = object()
 _hooks = _testhooks.armed
-
-
-def _large_buffer(writer: Connection) -> None:
-    writer._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SNDBUF_MAX)
 
 
 class _Outgoing:
@@ -357,7 +348,6 @@ class Queue(_Receiving):
         self._maxsize = maxsize
         self._reader, self._writer = Pipe(duplex=False)
         self._ledger = Ledger(maxsize, self._joinable)
-        _large_buffer(self._writer)  # room for maxsize small records: put() rarely needs the feeder
         self._opid = os.getpid()
         self._ignore_epipe = False
         self._reset()
@@ -838,7 +828,6 @@ class SimpleQueue(_Receiving):
 
     def __init__(self, *, ctx: Any = None) -> None:
         self._reader, self._writer = Pipe(duplex=False)
-        _large_buffer(self._writer)
         self._setup()
 
     def _setup(self) -> None:

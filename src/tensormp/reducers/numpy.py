@@ -23,8 +23,10 @@ pickle whatever the array's size. The bytes themselves never enter the pickle.
   is pinned by a message that is never received; copying 4 KiB twice more costs well under a
   microsecond, the handle's round of bookkeeping about 20 us of CPU (measured: a fresh 4 KiB
   array through a Queue, 44 -> 20 us of CPU for both sides). A receiver that cannot get shared
-  memory for it (a full ``/dev/shm`` under ``file_system``) keeps a private copy and warns once:
-  the item is delivered, never lost.
+  memory for it (a full ``/dev/shm`` under ``file_system``, no fd left for a new arena) keeps a
+  private copy and warns once: the item is delivered, never lost. At most ``BY_VALUE_MAX``
+  bytes of a message and half of its channel's send buffer go so (``Message.take_by_value``);
+  the rest cross as handles.
 * A read-only view of shared memory arrives read-only (the receiver's view of the same bytes
   keeps the sender's flag).
 * Arrays whose dtype holds Python objects, and numpy subclasses (``np.memmap``,
@@ -56,7 +58,7 @@ from typing import Any
 import numpy as np
 
 from .. import memory
-from ..errors import SharedMemoryError
+from ..errors import FdLimitError, SharedMemoryError
 from ..memory.allocator import (
     allocate as _allocate,
 )
@@ -104,8 +106,10 @@ def _copy_to_view(a: np.ndarray, view: memoryview, start: int) -> tuple[int, ...
     root = np.frombuffer(view[start : start + a.nbytes], np.uint8)
     if root.size and a.dtype.fields is not None:
         root[:] = 0  # copyto copies fields only: clear the padding of a recycled block
-    np.copyto(np.ndarray(a.shape, a.dtype, root), a, casting="no")
-    return None
+    # (no buffer format, e.g. datetime64: an F-contiguous array keeps its order all the same)
+    strides = a.strides if a.flags.f_contiguous and not a.flags.c_contiguous else None
+    np.copyto(np.ndarray(a.shape, a.dtype, root, 0, strides), a, casting="no")
+    return strides
 
 
 def copy_to_shared(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -261,12 +265,13 @@ def rebuild_ndarray_copy(
 ) -> np.ndarray:
     """A small array that crossed by value (``reduce_ndarray``): copied into a block of this
     process's shared memory, so that it arrives shared, as a large one does. Where that block
-    cannot be had, a private copy (the item is never lost on the receiving side); warns once.
+    cannot be had (no shared memory left, or no fd for a new arena), a private copy: the item
+    is never lost on the receiving side; warns once.
     """
     n = len(data)
     try:
         root = _allocate(n)
-    except SharedMemoryError as e:
+    except (SharedMemoryError, FdLimitError) as e:
         _warn_private(e)
         private: np.ndarray = np.ndarray(shape, dtype, bytearray(data), 0, strides)
         return private
@@ -278,7 +283,7 @@ def rebuild_ndarray_copy(
 _warned_private = False
 
 
-def _warn_private(e: SharedMemoryError) -> None:
+def _warn_private(e: OSError) -> None:
     global _warned_private
     if not _warned_private:
         _warned_private = True
