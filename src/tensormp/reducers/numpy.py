@@ -57,12 +57,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import memory
 from ..errors import FdLimitError, SharedMemoryError
 from ..memory.allocator import (
-    allocate as _allocate,
-)
-from ..memory.allocator import (
+    allocate,
     allocate_sent,
     attach,
     find_block,
@@ -114,7 +111,7 @@ def _copy_to_view(a: np.ndarray, view: memoryview, start: int) -> tuple[int, ...
 
 def copy_to_shared(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """One copy of ``a`` in a fresh block: returns ``(copy, root)``; keeps C/F order."""
-    root = memory.allocate(a.nbytes)
+    root = allocate(a.nbytes)
     strides = _copy_to_view(a, root.data, 0)  # the root's bytes (1-D uint8: format B)
     return np.ndarray(a.shape, a.dtype, root, 0, strides), root
 
@@ -270,7 +267,7 @@ def rebuild_ndarray_copy(
     """
     n = len(data)
     try:
-        root = _allocate(n)
+        root = allocate(n)
     except (SharedMemoryError, FdLimitError) as e:
         _warn_private(e)
         private: np.ndarray = np.ndarray(shape, dtype, bytearray(data), 0, strides)
