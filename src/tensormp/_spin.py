@@ -36,8 +36,7 @@ A reader that does not spin yields first
 A blocking read that does not spin (a process that only reads: a queue's consumer, a result
 thread), and a ``Queue.get(timeout=...)``, first take a record that is already there (one
 ``recvmsg`` with ``MSG_DONTWAIT``); when there is none, they give the CPU away once
-(``sched_yield``) and look once more before blocking in the kernel (``yielding_recvmsg``;
-``look_after_yield`` before a timed wait). On
+(``sched_yield``) and look once more before blocking in the kernel (``yielding_recvmsg``). On
 a machine with more runnable processes than CPUs (one producer and four consumers on 2 CPUs)
 the thread that runs meanwhile is often the producer, whose next record is then there: the
 consumer takes it without going to sleep, and the producer's ``sendmsg`` has nobody to wake
@@ -60,11 +59,9 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
-__all__ = ["SPIN_US", "look_after_yield", "recvmsg", "set_budget_us", "state", "stats",
-           "yielding_recvmsg"]
+__all__ = ["SPIN_US", "recvmsg", "set_budget_us", "state", "stats", "yielding_recvmsg"]
 
 SPIN_US = 100  # the default budget, microseconds
 _MAX_BACKOFF = 8  # at most 2**8 - 1 waits block at once after spins that found nothing
@@ -74,7 +71,6 @@ _PREEMPTED_NS = 200_000  # one non-blocking poll that took longer: this process 
 _DONTWAIT = int(socket.MSG_DONTWAIT)
 _monotonic_ns = time.monotonic_ns
 _sched_yield = os.sched_yield
-_T = TypeVar("_T")
 
 
 def _budget_from_env() -> int:
@@ -134,16 +130,18 @@ def stats() -> dict[str, int]:
             "budget_ns": st.budget_ns}
 
 
-def look_after_yield(look: Callable[[], _T | None]) -> _T | None:
-    """Give the CPU away once (``sched_yield``), then ``look()`` once more: for a wait that
-    found nothing, before it blocks (module notes). Counted in ``stats()``."""
+def yield_once() -> None:
+    """Give the CPU away once, before a wait that found nothing looks again (module notes);
+    the caller then looks once more and counts the outcome with :func:`yielded`."""
     _sched_yield()
-    got = look()
-    if got is None:
-        _state.yield_slept += 1
-    else:
+
+
+def yielded(found: bool) -> None:
+    """Count the outcome of a look after :func:`yield_once` (``stats()``)."""
+    if found:
         _state.yield_found += 1
-    return got
+    else:
+        _state.yield_slept += 1
 
 
 def yielding_recvmsg(sock: socket.socket, bufsize: int, ancsize: int, flags: int) -> Any:

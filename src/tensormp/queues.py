@@ -249,7 +249,9 @@ class _Receiving:
             deadline = time.monotonic() + (timeout or 0.0) if block else 0.0
             record = self._read(False)  # no poll when one is waiting
             if record is None and block:  # give the CPU away once, look again (_spin.py)
-                record = _spin.look_after_yield(lambda: self._read(False))
+                _spin.yield_once()
+                record = self._read(False)
+                _spin.yielded(record is not None)
             while record is None:
                 if not block:
                     raise Empty
