@@ -4,8 +4,7 @@ Invariants, not timings: a process that waits for an answer to what it wrote spi
 off when the answers come slowly (few spins, little CPU); a process that only reads never
 spins; a record already waiting is taken by the first poll; ``TENSORMP_SPIN_US=0`` never
 spins; timed waits keep their deadline; a SIGKILLed writer still means EOF to a reader that
-spins. A reader that does not spin gives the CPU away once before it blocks, and on a CPU it
-shares with its producer that look usually finds the next record.
+spins.
 """
 
 from __future__ import annotations
@@ -125,7 +124,7 @@ def test_spin_off_by_environment():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "'found': 0, 'empty': 0, 'plain': 5," in out.stdout and "'budget_ns': 0" in out.stdout
+    assert "'found': 0, 'empty': 0, 'plain': 5, 'budget_ns': 0" in out.stdout
     env["TENSORMP_SPIN_US"] = "fast"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=60)
@@ -178,81 +177,3 @@ def test_sigkilled_writer_ends_a_spinning_read_with_eof():
         r.close()
     assert p.exitcode == -signal.SIGKILL
     assert saved["budget_ns"] == _spin.state.budget_ns
-
-
-def _yield_then_wait() -> dict[str, int]:
-    """In a fresh process that has written nothing: a get() that must wait, untimed and timed
-    (a thread puts later); returns the spin stats."""
-    import threading
-
-    q = mp.Queue()
-    try:
-        for timed in (False, True):
-            t = threading.Timer(0.2, q.put, args=(timed,))
-            t.start()
-            _spin.state.sent = False  # the put of the round before was this process's write
-            assert (q.get(timeout=30) if timed else q.get()) is timed
-            t.join()
-        return _spin.stats()
-    finally:
-        q.close()
-        q.join_thread()
-
-
-def test_a_wait_that_finds_nothing_yields_once_then_blocks():
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(1) as pool:
-        stats = pool.apply(_yield_then_wait)
-    # each get looked, yielded, looked again, and slept until the put (untimed and timed)
-    assert stats["yield_slept"] == 2 and stats["yield_found"] == 0, stats
-
-
-YIELD_ITEMS = 2000
-WORK_S = 100e-6  # the producer's own work per item: the consumer catches up and waits
-
-
-def _pinned_producer(q, cpu, ready) -> None:
-    os.sched_setaffinity(0, {cpu})
-    assert ready.wait(30)
-    for i in range(YIELD_ITEMS):
-        end = time.perf_counter() + WORK_S
-        while time.perf_counter() < end:
-            pass
-        q.put(i)
-    q.close()
-    q.join_thread()
-
-
-def _pinned_consumer(q, cpu, ready, out) -> None:
-    os.sched_setaffinity(0, {cpu})
-    ready.set()
-    for i in range(YIELD_ITEMS):
-        assert q.get(timeout=30) == i
-    out.send(_spin.stats())
-
-
-def test_a_consumer_sharing_its_cpu_with_the_producer_finds_records_after_yielding():
-    """Producer and consumer pinned to one CPU: when the consumer finds the queue empty and
-    yields, the producer runs and puts; the consumer's second look finds that record instead
-    of sleeping until a wake-up (what makes 1 producer -> 4 consumers fast on 2 CPUs)."""
-    ctx = mp.get_context("fork")
-    cpu = min(os.sched_getaffinity(0))
-    q, ready = ctx.Queue(), ctx.Event()
-    res_r, res_w = mp.Pipe(duplex=False)
-    procs = [ctx.Process(target=_pinned_consumer, args=(q, cpu, ready, res_w)),
-             ctx.Process(target=_pinned_producer, args=(q, cpu, ready))]
-    for p in procs:
-        p.start()
-    try:
-        assert res_r.poll(50)
-        stats = res_r.recv()
-    finally:
-        for p in procs:
-            p.join(30)
-        res_r.close()
-        res_w.close()
-        q.close()
-        q.join_thread()
-    assert all(p.exitcode == 0 for p in procs)
-    assert stats["yield_found"] > 0, stats
-    assert stats["yield_found"] + stats["yield_slept"] <= YIELD_ITEMS, stats

@@ -31,21 +31,6 @@ or CPUs that others need, do not burn CPU:
   the same one) stops, counts as found-nothing, and turns spinning off until the next check.
 * ``TENSORMP_SPIN_US=0`` turns spinning off; another value sets the budget (microseconds).
 
-A reader that does not spin yields first
-----------------------------------------
-A blocking read that does not spin (a process that only reads: a queue's consumer, a result
-thread), and a ``Queue.get(timeout=...)``, first take a record that is already there (one
-``recvmsg`` with ``MSG_DONTWAIT``); when there is none, they give the CPU away once
-(``sched_yield``) and look once more before blocking in the kernel (``yielding_recvmsg``). On
-a machine with more runnable processes than CPUs (one producer and four consumers on 2 CPUs)
-the thread that runs meanwhile is often the producer, whose next record is then there: the
-consumer takes it without going to sleep, and the producer's ``sendmsg`` has nobody to wake
-(a wake-up preempts the producer, the pipeline's serial stage, on its own CPU). Measured there
-(bounded ``Queue``, 20,000 fresh 4 KiB arrays): voluntary context switches 6,600-14,200 -> 290-560,
-wall time per item 24-32 us -> 14.5-16.8 us. Where nothing else is runnable on this CPU,
-``sched_yield`` returns at once: a wait costs two more syscalls (about 1 us), against the
-sleep and wake-up that follow.
-
 Nothing here is shared between processes and no lock is taken: a spinning reader only calls
 ``recvmsg``, so a SIGKILLed peer means what it means to a blocked reader. A writer killed before
 its ``sendmsg`` wrote nothing (the spin runs out and the reader blocks, as before); when every
@@ -61,7 +46,7 @@ import socket
 import time
 from typing import Any
 
-__all__ = ["SPIN_US", "recvmsg", "set_budget_us", "state", "stats", "yielding_recvmsg"]
+__all__ = ["SPIN_US", "recvmsg", "set_budget_us", "state", "stats"]
 
 SPIN_US = 100  # the default budget, microseconds
 _MAX_BACKOFF = 8  # at most 2**8 - 1 waits block at once after spins that found nothing
@@ -70,7 +55,6 @@ _RECHECK_NS = 50_000_000  # ... while it found the CPUs crowded (a passing burst
 _PREEMPTED_NS = 200_000  # one non-blocking poll that took longer: this process was descheduled
 _DONTWAIT = int(socket.MSG_DONTWAIT)
 _monotonic_ns = time.monotonic_ns
-_sched_yield = os.sched_yield
 
 
 def _budget_from_env() -> int:
@@ -91,7 +75,7 @@ class _State:
     """This process's spin state (threads share it: a race only misjudges one wait)."""
 
     __slots__ = ("budget_ns", "sent", "skip", "fails", "next_check", "crowded", "found", "empty",
-                 "plain", "yield_found", "yield_slept")
+                 "plain")
 
     def __init__(self) -> None:
         self.budget_ns = _budget_from_env()
@@ -103,8 +87,6 @@ class _State:
         self.found = 0  # spins that found a record (test hook and stats)
         self.empty = 0  # spins that found nothing
         self.plain = 0  # waits that did not spin
-        self.yield_found = 0  # non-spinning waits that found a record after sched_yield
-        self.yield_slept = 0  # ... that found none and blocked
 
 
 state = _state = _State()
@@ -122,46 +104,10 @@ def stats() -> dict[str, int]:
     """Outcomes of this process's waits so far: ``found`` (a spin took the record), ``empty``
     (a spin found nothing, then blocked), ``plain`` (a wait after a write that did not spin:
     backing off, crowded CPUs, or ``TENSORMP_SPIN_US=0``; a wait without a write before it is
-    not counted), ``yield_found``/``yield_slept`` (a wait that does not spin, after it gave the
-    CPU away once: it found a record, or blocked)."""
+    not counted)."""
     st = _state
     return {"found": st.found, "empty": st.empty, "plain": st.plain,
-            "yield_found": st.yield_found, "yield_slept": st.yield_slept,
             "budget_ns": st.budget_ns}
-
-
-def yield_once() -> None:
-    """Give the CPU away once, before a wait that found nothing looks again (module notes);
-    the caller then looks once more and counts the outcome with :func:`yielded`."""
-    _sched_yield()
-
-
-def yielded(found: bool) -> None:
-    """Count the outcome of a look after :func:`yield_once` (``stats()``)."""
-    if found:
-        _state.yield_found += 1
-    else:
-        _state.yield_slept += 1
-
-
-def yielding_recvmsg(sock: socket.socket, bufsize: int, ancsize: int, flags: int) -> Any:
-    """``sock.recvmsg(bufsize, ancsize, flags)`` that blocks, for a reader that does not spin:
-    a record already there at once; else ``sched_yield`` and one more look, then block
-    (module notes)."""
-    poll = flags | _DONTWAIT
-    try:
-        return sock.recvmsg(bufsize, ancsize, poll)
-    except BlockingIOError:
-        pass
-    _sched_yield()
-    st = _state
-    try:
-        got = sock.recvmsg(bufsize, ancsize, poll)
-    except BlockingIOError:
-        st.yield_slept += 1
-        return sock.recvmsg(bufsize, ancsize, flags)
-    st.yield_found += 1
-    return got
 
 
 def _crowded() -> bool:

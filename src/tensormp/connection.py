@@ -104,7 +104,6 @@ _loads = reducers.loads
 _flush_release_records = reducers.flush_release_records
 _spin_recvmsg = _spin.recvmsg
 _spin_state = _spin.state
-_yielding_recvmsg = _spin.yielding_recvmsg
 
 
 class Record:
@@ -399,10 +398,8 @@ class Connection(_mpc.Connection):
         if wait:
             if _spin_state.sent:  # this process wrote since its last wait: maybe for an answer
                 data, anc, flags, _ = _spin_recvmsg(sock, _RECORD_MAX, _ANC_SPACE, _MSG_CMSG_CLOEXEC)
-            else:  # a reader that does not spin gives the CPU away once first (_spin.py)
-                data, anc, flags, _ = _yielding_recvmsg(
-                    sock, _RECORD_MAX, _ANC_SPACE, _MSG_CMSG_CLOEXEC
-                )
+            else:
+                data, anc, flags, _ = sock.recvmsg(_RECORD_MAX, _ANC_SPACE, _MSG_CMSG_CLOEXEC)
         else:
             try:
                 data, anc, flags, _ = sock.recvmsg(

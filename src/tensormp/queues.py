@@ -94,7 +94,7 @@ from multiprocessing import util as _mputil
 from queue import Empty, Full
 from typing import Any
 
-from . import _spin, _testhooks, reducers
+from . import _testhooks, reducers
 from ._ledger import NO_SLOT, Ledger, Token
 from .connection import Connection, Pipe, Record
 from .errors import FdLimitError
@@ -247,18 +247,15 @@ class _Receiving:
             record = self._read(True)
         else:
             deadline = time.monotonic() + (timeout or 0.0) if block else 0.0
-            record = self._read(False)  # no poll when one is waiting
-            if record is None and block:  # give the CPU away once, look again (_spin.py)
-                _spin.yield_once()
-                record = self._read(False)
-                _spin.yielded(record is not None)
-            while record is None:
+            while True:
+                record = self._read(False)  # no poll when one is waiting
+                if record is not None:
+                    break
                 if not block:
                     raise Empty
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._wait_readable(left):
                     raise Empty
-                record = self._read(False)
         assert record is not None
         return record
 
