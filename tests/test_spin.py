@@ -9,6 +9,7 @@ spins.
 
 from __future__ import annotations
 
+import ast
 import os
 import queue
 import signal
@@ -124,7 +125,8 @@ def test_spin_off_by_environment():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "'found': 0, 'empty': 0, 'plain': 5, 'budget_ns': 0" in out.stdout
+    stats = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    assert (stats["found"], stats["empty"], stats["plain"], stats["budget_ns"]) == (0, 0, 5, 0)
     env["TENSORMP_SPIN_US"] = "fast"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=60)
@@ -177,3 +179,101 @@ def test_sigkilled_writer_ends_a_spinning_read_with_eof():
         r.close()
     assert p.exitcode == -signal.SIGKILL
     assert saved["budget_ns"] == _spin.state.budget_ns
+
+
+def _take_one(q, out) -> None:
+    out.send(q.get(timeout=30))
+
+
+def _yields() -> tuple[int, int]:
+    st = _spin.stats()
+    return st["yield_found"], st["yield_slept"]
+
+
+def test_only_consumers_among_several_yield():
+    """A bounded queue's consumer gives the CPU away before it sleeps only once its records'
+    numbers show another consumer; never for ``get(timeout=0)``/``get(block=False)``, never
+    as the only consumer; a yield that found nothing backs off."""
+    ctx = mp.get_context("fork")
+    q = mp.Queue(16)
+    res_r, res_w = mp.Pipe(duplex=False)
+    _spin.state.__init__()
+    try:
+        q.put(0)
+        q.put(1)
+        assert q.get(timeout=5) == 0 and q.get(timeout=5) == 1  # numbers follow: alone
+        with pytest.raises(queue.Empty):
+            q.get(timeout=0.01)
+        assert _yields() == (0, 0)
+        q.put(2)
+        q.put(3)
+        p = ctx.Process(target=_take_one, args=(q, res_w))
+        p.start()
+        assert res_r.recv() == 2  # another consumer took record 3
+        p.join(30)
+        assert p.exitcode == 0
+        assert q.get(timeout=5) == 3  # its number skips one: not alone
+        for t in (0, 0.0):
+            with pytest.raises(queue.Empty):
+                q.get(timeout=t)
+        with pytest.raises(queue.Empty):
+            q.get(block=False)
+        assert _yields() == (0, 0)
+        t0 = time.monotonic()
+        with pytest.raises(queue.Empty):
+            q.get(timeout=0.05)  # yields once, finds nothing, keeps its deadline
+        assert 0.05 <= time.monotonic() - t0 < 1.0
+        assert _yields() == (0, 1)
+        for _ in range(14):  # backing off: 1, 3, 7 waits without a yield after each miss
+            with pytest.raises(queue.Empty):
+                q.get(timeout=0.001)
+        assert _yields() == (0, 4)  # yields at the 2nd, 6th and 14th of those waits
+        q.put(4)
+        _spin.state.yield_skip = 0
+        assert q.get() == 4  # a record already there: taken before any yield
+        assert _yields() == (0, 4)
+    finally:
+        _spin.state.__init__()
+        q.close()
+        q.join_thread()
+        res_r.close()
+        res_w.close()
+
+
+def _consume(q, out) -> None:
+    got = []
+    while (x := q.get(timeout=30)) is not None:
+        got.append(x)
+    out.send((got, _spin.stats()))
+
+
+def test_several_consumers_get_every_item_once():
+    """1 producer -> 3 consumers through a bounded queue, with pauses so that consumers wait:
+    every item arrives once, in order per consumer, and waiting consumers yielded."""
+    ctx = mp.get_context("fork")
+    q = mp.Queue(64)
+    res_r, res_w = mp.Pipe(duplex=False)
+    procs = [ctx.Process(target=_consume, args=(q, res_w)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        n = 600
+        for i in range(n):
+            q.put(i)
+            if i % 20 == 19:
+                time.sleep(0.002)
+        for _ in procs:
+            q.put(None)
+        results = [res_r.recv() for _ in procs]
+    finally:
+        for p in procs:
+            p.join(30)
+        q.close()
+        q.join_thread()
+        res_r.close()
+        res_w.close()
+    assert all(p.exitcode == 0 for p in procs)
+    everything = sorted(x for got, _ in results for x in got)
+    assert everything == list(range(n))
+    assert all(got == sorted(got) for got, _ in results)
+    assert sum(st["yield_found"] + st["yield_slept"] for _, st in results) > 0

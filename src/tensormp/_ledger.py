@@ -96,6 +96,7 @@ _RD = fcntl.F_RDLCK
 _UN = fcntl.F_UNLCK
 _LOCK_EX = fcntl.LOCK_EX
 _LOCK_UN = fcntl.LOCK_UN
+_flock = fcntl.flock
 
 ROW_BASE = (1 << 32) + 1  # + pid: a producer's row lock, held for its life
 TASK_BASE = 1 << 40
@@ -471,6 +472,32 @@ class Ledger:
         except (BlockingIOError, TimeoutError):
             return False
         return True
+
+    def put_now(self, writer: Any, data: Any, fds: Any, k: int = 1) -> bool:
+        """A producer's usual case in one call: take ``W``, and when the counts show room for
+        ``k`` items (and nothing is left to resolve or reclaim) write one record without
+        blocking, then let go of ``W``. True when written; False when nothing was written
+        (no room by the counts, the socket full, this process's first write), and the caller
+        goes the way of :meth:`enter`. What :meth:`enter` + :meth:`write` + :meth:`leave` do,
+        in a third of the Python calls (a bounded ``put`` of 64 B: about 4 us -> 3 us)."""
+        mine = self._mine
+        if mine < 0 or self._reclaim_due:
+            return False  # the row is claimed, or reservations reclaimed, by enter()
+        wlock = self._wlock
+        wlock.acquire()
+        try:
+            _flock(mine, _LOCK_EX)
+            try:
+                view, hdr = self._view, self._hdr
+                if view[hdr + _P_LEN] or (
+                    view[hdr + _S] - view[hdr + _D] + view[hdr + _RES] > self.maxsize - k
+                ):
+                    return False
+                return self.write(writer, data, fds, (), False, k)
+            finally:
+                _flock(mine, _LOCK_UN)
+        finally:
+            wlock.release()
 
     def write(
         self, writer: Any, data: Any, fds: Any, tokens: Any, block: bool, k: int = 1

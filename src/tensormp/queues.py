@@ -94,7 +94,7 @@ from multiprocessing import util as _mputil
 from queue import Empty, Full
 from typing import Any
 
-from . import _testhooks, reducers
+from . import _spin, _testhooks, reducers
 from ._ledger import NO_SLOT, Ledger, Token
 from .connection import Connection, Pipe, Record
 from .errors import FdLimitError
@@ -116,6 +116,10 @@ _IDLE_FIRST = 0.001
 _IDLE_MAX = 0.05
 _sentinel = object()
 _hooks = _testhooks.armed
+_M32 = 0xFFFFFFFF  # record numbers wrap at 2**32 (_ledger.py)
+_may_yield = _spin.may_yield
+_after_yield = _spin.after_yield
+_sched_yield = _spin.sched_yield
 
 
 class _Outgoing:
@@ -227,6 +231,9 @@ class _Receiving:
     returned yet (they are returned first, in order; a fork child starts without them)."""
 
     _pending: collections.deque[Any]
+    # A bounded Queue's last record showed other consumers (Queue._load): a blocking get may
+    # give the CPU away once before it sleeps (_spin.py).
+    _shared = False
 
     def _read(self, wait: bool) -> Record | None:
         raise NotImplementedError
@@ -243,6 +250,15 @@ class _Receiving:
         Raises:
             queue.Empty: none arrived within ``timeout`` seconds (or at once).
         """
+        if self._shared and block and (timeout is None or timeout > 0) and _may_yield():
+            # A consumer among several: a record already there, else yield once, look again.
+            record = self._read(False)
+            if record is None:
+                _sched_yield()
+                record = self._read(False)
+                _after_yield(record is not None)
+            if record is not None:
+                return record
         if block and timeout is None:
             record = self._read(True)
         else:
@@ -381,6 +397,8 @@ class Queue(_Receiving):
         self._poll = self._reader.poll
         self._epoll: select.epoll | None = None  # get(timeout=...)'s waits: _wait_readable
         self._plain = not self._maxsize and not self._joinable  # unbounded, no task tokens
+        self._shared = False  # see _Receiving
+        self._expect = -1  # the number of the record after the last one taken (bounded; -1: none yet)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -477,6 +495,18 @@ class Queue(_Receiving):
                 _testhooks.reached("put.tokens")
             self._enqueue(_Outgoing(msg, tokens, None, k))
             return
+        if not tokens and not self._buffer and not _hooks:  # the usual case: one call
+            direct = self._direct
+            if direct.acquire(False):
+                try:
+                    reducers.flush_release_records()  # holds reach creators before results do
+                    if ledger.put_now(self._writer, msg.data, msg.fds, k):
+                        msg.sent()
+                        return
+                except Exception:
+                    pass  # the way below meets it again
+                finally:
+                    direct.release()
         try:
             if not ledger.enter(self._reader._sock, block, timeout, k):
                 raise Full
@@ -582,7 +612,11 @@ class Queue(_Receiving):
         if _hooks:
             _testhooks.reached("recv.loaded")
         n = len(obj) if type(obj) is _Batch else 1
-        if n > 1 and not self._maxsize:
+        if self._maxsize:  # a record number that does not follow ours: others take too
+            slot, expect = record.slot, self._expect
+            self._shared = slot != expect and expect >= 0
+            self._expect = (slot + n) & _M32
+        elif n > 1:
             self._ledger.count(1, n - 1)  # _read counted one
         if record.tokens:
             self._taken(record, n)
