@@ -486,6 +486,8 @@ def _flow_queue(method: str, maxsize: int) -> Any:
         return faster_fifo.Queue(max_size_bytes=64 * MiB, maxsize=maxsize or 10**9)
     if method == "tensormp Pipe":
         return _PipeFlow()
+    if method.endswith(" JoinableQueue"):  # consumers call task_done(), producers join()
+        return _context(method).JoinableQueue(maxsize)
     return _context(method).Queue(maxsize)
 
 
@@ -528,6 +530,8 @@ def _flow_producer(method: str, payload: str, n: int, warm: int, batch: int, tag
         else:
             for i in range(warm, warm + n):
                 q.put(_flow_item(payload, tag, i), **timeout)
+        if method.endswith(" JoinableQueue"):
+            q.join()  # every item put by anyone is done
         if method != "faster-fifo":
             q.close()
             q.join_thread()
@@ -541,8 +545,11 @@ def _flow_consumer(method: str, payload: str, n: int, warm: int, batch: int, q: 
     def body() -> dict[str, Any]:
         _setup_worker(method)
         last: dict[int, int] = {}
+        done = q.task_done if method.endswith(" JoinableQueue") else None
         for _ in range(warm):  # this consumer's share of the warm-up items
             _flow_check(payload, q.get(timeout=GET_TIMEOUT), last)
+            if done:
+                done()
         ready.release()
         go.wait()
         cpu = _cpu_s()
@@ -555,6 +562,8 @@ def _flow_consumer(method: str, payload: str, n: int, warm: int, batch: int, q: 
         else:
             while got < n:
                 _flow_check(payload, q.get(timeout=GET_TIMEOUT), last)
+                if done:
+                    done()
                 got += 1
         return {"end": time.perf_counter(), "cpu": _cpu_s() - cpu}
 

@@ -327,6 +327,38 @@ def test_join_counts_an_item_whose_taker_died_as_done(maxsize):
     q.join()
 
 
+def _put_range(q, tag, n):
+    for i in range(n):
+        q.put((tag, i))
+
+
+def test_join_with_hundreds_of_unfinished_tasks():
+    """Two producers put 400 items each before anyone takes one: every item is a task until
+    its task_done(), however many (each token is a writer of the queue's task pipe, an fd of
+    its taker: 800 stay under the usual fd limit of 1024)."""
+    ctx = mp.get_context("fork")
+    q = ctx.JoinableQueue()
+    producers = [ctx.Process(target=_put_range, args=(q, tag, 400)) for tag in range(2)]
+    for p in producers:
+        p.start()
+    for p in producers:
+        p.join(30)
+        assert p.exitcode == 0
+    joined = threading.Event()
+    waiter = threading.Thread(target=lambda: (q.join(), joined.set()), daemon=True)
+    waiter.start()
+    got = [q.get(timeout=10) for _ in range(800)]
+    assert sorted(got) == [(tag, i) for tag in range(2) for i in range(400)]
+    for _ in range(799):
+        q.task_done()
+    assert not joined.wait(0.2), "join() returned with a task not done"
+    q.task_done()
+    assert joined.wait(10)
+    waiter.join(10)
+    q.close()
+    q.join_thread()
+
+
 def _sleep_forever():
     time.sleep(60)
 

@@ -493,23 +493,30 @@ class Queue(_Receiving):
             ledger.count(0, k)
             if _hooks:
                 _testhooks.reached("put.tokens")
+        # The usual case in one call: nothing buffered, room in the socket (and, bounded, a
+        # free slot by the counts). The kill tests of "send.*" points go this way too.
+        direct = self._direct
+        if not self._buffer and "put.tokens" not in _hooks and direct.acquire(False):
+            written = False
+            try:
+                reducers.flush_release_records()  # holds reach creators before results do
+                fds = [t.fd for t in tokens] if tokens else ()
+                if self._maxsize:
+                    written = ledger.put_now(self._writer, msg.data, msg.fds, fds, k)
+                else:
+                    written = self._writer.write_record(msg.data, msg.fds, fds, NO_SLOT, False)
+            except Exception:
+                pass  # nothing was written: the way below meets it again
+            finally:
+                direct.release()
+            if written:
+                for t in tokens:  # the kernel holds them in flight now
+                    t.close()
+                msg.sent()
+                return
+        if not self._maxsize:
             self._enqueue(_Outgoing(msg, tokens, None, k))
             return
-        # The usual case in one call (the kill tests of "send.*" points go this way too).
-        if not tokens and not self._buffer and "put.tokens" not in _hooks:
-            direct = self._direct
-            if direct.acquire(False):
-                written = False
-                try:
-                    reducers.flush_release_records()  # holds reach creators before results do
-                    written = ledger.put_now(self._writer, msg.data, msg.fds, k)
-                except Exception:
-                    pass  # nothing was written: the way below meets it again
-                finally:
-                    direct.release()
-                if written:
-                    msg.sent()
-                    return
         try:
             if not ledger.enter(self._reader._sock, block, timeout, k):
                 raise Full
