@@ -77,6 +77,8 @@ Workloads
     consumer's last item / items. Methods in turns, 3 repetitions (1 with ``--quick``),
     medians. faster-fifo 1.5.2 (``pip install 'tensormp[bench]'``) runs as a third column
     when installed. Target: tensormp <= the stdlib's bounded queue per item, every pattern.
+    Then a ``JoinableQueue`` (unbounded), 1 -> 4 and 4 -> 1, each item ``task_done()`` by its
+    consumer and every producer in ``join()`` at the end, against the stdlib's (information).
 ``fifo``: the same harness, 1 producer -> 1 consumer, tensormp's ``Queue`` against faster-fifo
     (a C++ ring buffer in shared memory under a process-shared mutex), put/get one at a time
     and, where tensormp has them, ``put_many``/``get_many`` in batches of 100; and a tensormp
@@ -1001,6 +1003,8 @@ class Bench:
             target = targets.get(label.split(",")[0])
             cells = {m: ("FAILED" if m in failed else _fmt_t(per[m])) for m in methods}
             cells["tensormp"] = cells[subject]
+            if reference.startswith("stdlib"):
+                cells["stdlib"] = cells[reference]
             self.rows.append(Row(label, cells, tm / ref if tm and ref else None,
                                  f"<= 1x {reference}" if target else "(reference)", target,
                                  subject in failed))
@@ -1016,6 +1020,12 @@ class Bench:
         self._flows("producers -> consumers through one Queue (per item: wall time / items)",
                     cases, methods, "stdlib",
                     {f"{p}p->{c}c maxsize 4096": 1.0 for p, c in ((1, 1), (2, 1), (4, 1), (1, 4))})
+        # JoinableQueue: consumers call task_done() after each item, producers join() at the end.
+        self._flows("the same through one JoinableQueue (unbounded; task_done per item)",
+                    [(f"{p}p->{c}c JoinableQueue, {payload}", p, c, 0, payload, 1)
+                     for payload in ("64 B", "4 KiB") for p, c in ((1, 4), (4, 1))],
+                    ["tensormp JoinableQueue", "stdlib JoinableQueue"], "stdlib JoinableQueue",
+                    {}, subject="tensormp JoinableQueue")
 
     def fifo(self) -> None:
         if not self.have_fifo():
