@@ -327,6 +327,41 @@ def test_join_counts_an_item_whose_taker_died_as_done(maxsize):
     q.join()
 
 
+def _drain_until_none(q):
+    while q.get(timeout=30) is not None:
+        pass
+
+
+def test_threads_putting_into_a_small_bounded_queue_do_not_deadlock():
+    """Threads of one process put() into a bounded queue whose feeder thread is busy (the
+    socket fills): put()'s one-call case holds _direct and must not wait for the ledger's W,
+    which the feeder takes before _direct."""
+    ctx = mp.get_context("fork")
+    q = ctx.Queue(16)
+    consumer = ctx.Process(target=_drain_until_none, args=(q,))
+    consumer.start()
+
+    def run():
+        for _ in range(5000):
+            q.put(b"x", timeout=30)
+
+    threads = [threading.Thread(target=run, daemon=True) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(40)
+    stuck = any(t.is_alive() for t in threads)
+    if stuck:
+        consumer.kill()
+    else:
+        q.put(None)
+    consumer.join(30)
+    q.close()
+    q.join_thread()
+    assert not stuck, "put() threads deadlocked"
+    assert consumer.exitcode == 0
+
+
 def _put_range(q, tag, n):
     for i in range(n):
         q.put((tag, i))

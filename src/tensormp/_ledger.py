@@ -503,7 +503,12 @@ class Ledger:
         if mine < 0 or self._reclaim_due:
             return False  # the row is claimed, or reservations reclaimed, by enter()
         wlock = self._wlock
-        wlock.acquire()
+        # Never waited for: the caller holds the queue's _direct, and the feeder thread takes
+        # W before _direct (queues.py's lock order); a thread of ours holding W means the
+        # usual case is not ours now. W's flock may be waited for (other processes' W holders
+        # need nothing of this process).
+        if not wlock.acquire(False):
+            return False
         try:
             _flock(mine, _LOCK_EX)
             try:

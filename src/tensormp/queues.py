@@ -65,7 +65,10 @@ A message in the feeder's buffer keeps the memory it refers to (and its tokens) 
 the feeder has written it; from then on the kernel holds the fds in flight.
 
 A bounded queue's ``put()`` takes the ledger's write lock ``W`` first (room check, write, count;
-``_ledger.py``), then ``_direct``; so does the feeder: one order, no deadlock. Holding ``W``
+``_ledger.py``), then ``_direct``; so does the feeder: one order, no deadlock. The usual
+case's one call (``Ledger.put_now``: room by the counts, nothing buffered) holds ``_direct``
+and only *tries* W's thread lock: when another thread of this process holds W, it lets go and
+goes the way above. Holding ``W``
 keeps the feeder's buffer as it is, so a bounded ``put()`` that finds it empty writes through
 ``_write`` at once, without an ``_Outgoing``.
 
