@@ -99,7 +99,6 @@ _UN = fcntl.F_UNLCK
 _LOCK_EX = fcntl.LOCK_EX
 _LOCK_UN = fcntl.LOCK_UN
 _TASK_OPEN = os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC  # a writer of the task pipe: a token
-_flock = fcntl.flock
 
 ROW_BASE = (1 << 32) + 1  # + pid: a producer's row lock, held for its life
 NO_SLOT = 0xFFFFFFFF
@@ -491,37 +490,6 @@ class Ledger:
         except (BlockingIOError, TimeoutError):
             return False
         return True
-
-    def put_now(self, writer: Any, data: Any, fds: Any, tokens: Any, k: int = 1) -> bool:
-        """A producer's usual case in one call: take ``W``, and when the counts show room for
-        ``k`` items (and nothing is left to resolve or reclaim) write one record without
-        blocking (with the fds of ``tokens``), then let go of ``W``. True when written; False when nothing was written
-        (no room by the counts, the socket full, this process's first write), and the caller
-        goes the way of :meth:`enter`. What :meth:`enter` + :meth:`write` + :meth:`leave` do,
-        in a third of the Python calls (a bounded ``put`` of 64 B: about 4 us -> 3 us)."""
-        mine = self._mine
-        if mine < 0 or self._reclaim_due:
-            return False  # the row is claimed, or reservations reclaimed, by enter()
-        wlock = self._wlock
-        # Never waited for: the caller holds the queue's _direct, and the feeder thread takes
-        # W before _direct (queues.py's lock order); a thread of ours holding W means the
-        # usual case is not ours now. W's flock may be waited for (other processes' W holders
-        # need nothing of this process).
-        if not wlock.acquire(False):
-            return False
-        try:
-            _flock(mine, _LOCK_EX)
-            try:
-                view, hdr = self._view, self._hdr
-                if view[hdr + _P_LEN] or (
-                    view[hdr + _S] - view[hdr + _D] + view[hdr + _RES] > self.maxsize - k
-                ):
-                    return False
-                return self.write(writer, data, fds, tokens, False, k)
-            finally:
-                _flock(mine, _LOCK_UN)
-        finally:
-            wlock.release()
 
     def write(
         self, writer: Any, data: Any, fds: Any, tokens: Any, block: bool, k: int = 1

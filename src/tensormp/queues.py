@@ -65,10 +65,7 @@ A message in the feeder's buffer keeps the memory it refers to (and its tokens) 
 the feeder has written it; from then on the kernel holds the fds in flight.
 
 A bounded queue's ``put()`` takes the ledger's write lock ``W`` first (room check, write, count;
-``_ledger.py``), then ``_direct``; so does the feeder: one order, no deadlock. The usual
-case's one call (``Ledger.put_now``: room by the counts, nothing buffered) holds ``_direct``
-and only *tries* W's thread lock: when another thread of this process holds W, it lets go and
-goes the way above. Holding ``W``
+``_ledger.py``), then ``_direct``; so does the feeder: one order, no deadlock. Holding ``W``
 keeps the feeder's buffer as it is, so a bounded ``put()`` that finds it empty writes through
 ``_write`` at once, without an ``_Outgoing``.
 
@@ -492,32 +489,27 @@ class Queue(_Receiving):
             except BaseException:
                 msg.abandon()
                 raise
-        if not self._maxsize:
+        if not self._maxsize:  # a JoinableQueue: the record and its token, as put() does
             ledger.count(0, k)
             if _hooks:
                 _testhooks.reached("put.tokens")
-        # The usual case in one call: nothing buffered, room in the socket (and, bounded, a
-        # free slot by the counts). The kill tests of "send.*" points go this way too.
-        direct = self._direct
-        if not self._buffer and "put.tokens" not in _hooks and direct.acquire(False):
-            written = False
-            try:
-                reducers.flush_release_records()  # holds reach creators before results do
-                fds = [t.fd for t in tokens] if tokens else ()
-                if self._maxsize:
-                    written = ledger.put_now(self._writer, msg.data, msg.fds, fds, k)
-                else:
-                    written = self._writer.write_record(msg.data, msg.fds, fds, NO_SLOT, False)
-            except Exception:
-                pass  # nothing was written: the way below meets it again
-            finally:
-                direct.release()
-            if written:
-                for t in tokens:  # the kernel holds them in flight now
-                    t.close()
-                msg.sent()
-                return
-        if not self._maxsize:
+            direct = self._direct
+            if not self._buffer and direct.acquire(False):
+                written = False
+                try:
+                    reducers.flush_release_records()  # holds reach creators before results do
+                    written = self._writer.write_record(
+                        msg.data, msg.fds, [t.fd for t in tokens], NO_SLOT, False
+                    )
+                except Exception:
+                    pass  # nothing was written: the feeder meets it again and reports it
+                finally:
+                    direct.release()
+                if written:
+                    for t in tokens:  # the kernel holds them in flight now
+                        t.close()
+                    msg.sent()
+                    return
             self._enqueue(_Outgoing(msg, tokens, None, k))
             return
         try:
