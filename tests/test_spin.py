@@ -190,12 +190,14 @@ def _yields() -> tuple[int, int]:
     return st["yield_found"], st["yield_slept"]
 
 
-def test_only_consumers_among_several_yield():
-    """A bounded queue's consumer gives the CPU away before it sleeps only once its records'
-    numbers show another consumer; never for ``get(timeout=0)``/``get(block=False)``, never
-    as the only consumer; a yield that found nothing backs off."""
+@pytest.mark.parametrize("maxsize", [16, 0], ids=["bounded", "unbounded"])
+def test_only_consumers_among_several_yield(maxsize):
+    """A queue's consumer gives the CPU away before it sleeps only once its records' numbers
+    (the ledger's, bounded; each producer's own, unbounded) show another consumer; never for
+    ``get(timeout=0)``/``get(block=False)``, never as the only consumer; a yield that found
+    nothing backs off."""
     ctx = mp.get_context("fork")
-    q = mp.Queue(16)
+    q = mp.Queue(maxsize)
     res_r, res_w = mp.Pipe(duplex=False)
     _spin.state.__init__()
     try:

@@ -33,16 +33,18 @@ or CPUs that others need, do not burn CPU:
 
 A consumer among several gives the CPU away once before it sleeps
 ----------------------------------------------------------------
-A blocking ``get`` of a bounded ``Queue`` (with no timeout or one > 0) whose previous record
-showed that other processes take from the same queue (its record number did not follow the
-one before: ``Queue._load``) first takes a record that is already there; when there is none, it
+A blocking ``get`` of a ``Queue`` or ``JoinableQueue`` (with no timeout or one > 0) whose
+previous record showed that other processes take from the same queue (its number did not
+follow the one before: a bounded queue's records carry the ledger's numbers, an unbounded
+queue's each producer's own; ``Queue._load``) first takes a record that is already there; when there is none, it
 gives the CPU away once (``sched_yield``) and looks once more before it sleeps (``after_yield``
 counts the outcome). Where the pipeline itself has more runnable processes than CPUs (one
 producer and four consumers on 2 CPUs) the thread that runs meanwhile is often the producer,
 whose next record is then there: the consumer takes it without going to sleep, and the
 producer's ``sendmsg`` has nobody to wake (a wake-up preempts the producer, the pipeline's
-serial stage, on its own CPU). Measured there (20,000 fresh 4 KiB arrays): voluntary context
-switches 6,600-14,200 -> 290-560, wall time per item 24-32 us -> 14.5-16.8 us.
+serial stage, on its own CPU). Measured there (``benchmarks/transfer.py``, 1 -> 4, per item,
+median of 5): bounded, 64 B 9.6 -> 7.2 us, 4 KiB arrays 26.8 -> 18.7 us (the stdlib's: 11-12
+and 24-26 us); ``JoinableQueue``, 64 B, 17.3-17.5 -> 10.6-10.7 us (the stdlib's: 14 us).
 
 Who never yields, because a yield can cost a reader a whole time slice (milliseconds) when the
 CPU goes to a process that is not part of the pipeline (a busy loop: the kernel's EEVDF

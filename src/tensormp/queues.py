@@ -117,6 +117,11 @@ _IDLE_MAX = 0.05
 _sentinel = object()
 _hooks = _testhooks.armed
 _M32 = 0xFFFFFFFF  # record numbers wrap at 2**32 (_ledger.py)
+# An unbounded queue's record number: a producer tag (pid % _TAGS, never all ones: not
+# NO_SLOT) in the high bits, that producer's own count of its direct writes in the low ones.
+_SEQ_BITS = 20
+_SEQ_MASK = (1 << _SEQ_BITS) - 1
+_TAGS = (1 << (32 - _SEQ_BITS)) - 1
 _may_yield = _spin.may_yield
 _after_yield = _spin.after_yield
 _sched_yield = _spin.sched_yield
@@ -398,7 +403,13 @@ class Queue(_Receiving):
         self._epoll: select.epoll | None = None  # get(timeout=...)'s waits: _wait_readable
         self._plain = not self._maxsize and not self._joinable  # unbounded, no task tokens
         self._shared = False  # see _Receiving
-        self._expect = -1  # the number of the record after the last one taken (bounded; -1: none yet)
+        # Other consumers show in the numbers of the records this process takes (_load): a
+        # bounded queue's records carry the ledger's numbers; an unbounded queue's producers
+        # number the records they write themselves (_tag: from the pid; _stamp: the last one).
+        self._expect = -1  # bounded: the number of the next record (-1: none taken yet)
+        self._expects: dict[int, int] = {}  # unbounded: each producer tag's next record
+        self._tag = (os.getpid() % _TAGS) << _SEQ_BITS
+        self._stamp = 0
 
     def _check_open(self) -> None:
         if self._closed:
@@ -423,7 +434,9 @@ class Queue(_Receiving):
         try:
             if not self._buffer:
                 reducers.flush_release_records()  # holds reach creators before results do
-                if self._writer.write_record(msg.data, msg.fds, (), NO_SLOT, False):
+                stamp = (self._stamp + 1) & _SEQ_MASK  # this producer's next (see _load)
+                if self._writer.write_record(msg.data, msg.fds, (), self._tag | stamp, False):
+                    self._stamp = stamp
                     msg.sent()
                     return
         except Exception:
@@ -496,16 +509,18 @@ class Queue(_Receiving):
             direct = self._direct
             if not self._buffer and direct.acquire(False):
                 written = False
+                stamp = (self._stamp + 1) & _SEQ_MASK  # this producer's next (see _load)
                 try:
                     reducers.flush_release_records()  # holds reach creators before results do
                     written = self._writer.write_record(
-                        msg.data, msg.fds, [t.fd for t in tokens], NO_SLOT, False
+                        msg.data, msg.fds, [t.fd for t in tokens], self._tag | stamp, False
                     )
                 except Exception:
                     pass  # nothing was written: the feeder meets it again and reports it
                 finally:
                     direct.release()
                 if written:
+                    self._stamp = stamp
                     for t in tokens:  # the kernel holds them in flight now
                         t.close()
                     msg.sent()
@@ -617,12 +632,19 @@ class Queue(_Receiving):
         if _hooks:
             _testhooks.reached("recv.loaded")
         n = len(obj) if type(obj) is _Batch else 1
+        slot = record.slot
         if self._maxsize:  # a record number that does not follow ours: others take too
-            slot, expect = record.slot, self._expect
+            expect = self._expect
             self._shared = slot != expect and expect >= 0
             self._expect = (slot + n) & _M32
-        elif n > 1:
-            self._ledger.count(1, n - 1)  # _read counted one
+        else:
+            if n > 1:
+                self._ledger.count(1, n - 1)  # _read counted one
+            if slot != NO_SLOT:  # numbered by its producer (the feeder's are not)
+                tag = slot & ~_SEQ_MASK
+                expect = self._expects.get(tag, -1)
+                self._shared = slot != expect and expect >= 0
+                self._expects[tag] = tag | ((slot + 1) & _SEQ_MASK)
         if record.tokens:
             self._taken(record, n)
         if _hooks:
