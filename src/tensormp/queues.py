@@ -122,6 +122,7 @@ _M32 = 0xFFFFFFFF  # record numbers wrap at 2**32 (_ledger.py)
 _SEQ_BITS = 20
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
 _TAGS = (1 << (32 - _SEQ_BITS)) - 1
+_TAG_MASK = _M32 ^ _SEQ_MASK
 _may_yield = _spin.may_yield
 _after_yield = _spin.after_yield
 _sched_yield = _spin.sched_yield
@@ -408,6 +409,7 @@ class Queue(_Receiving):
         # number the records they write themselves (_tag: from the pid; _stamp: the last one).
         self._expect = -1  # bounded: the number of the next record (-1: none taken yet)
         self._expects: dict[int, int] = {}  # unbounded: each producer tag's next record
+        self._next = -1  # unbounded: the next record of the last one's producer
         self._tag = (os.getpid() % _TAGS) << _SEQ_BITS
         self._stamp = 0
 
@@ -633,7 +635,10 @@ class Queue(_Receiving):
             _testhooks.reached("recv.loaded")
         n = len(obj) if type(obj) is _Batch else 1
         slot = record.slot
-        if self._maxsize:  # a record number that does not follow ours: others take too
+        if slot == self._next and n == 1:  # unbounded: the next of the last one's producer
+            self._next = slot + 1  # (at a count's wrap, once in 2**20: one false "others")
+            self._shared = False
+        elif self._maxsize:  # a record number that does not follow ours: others take too
             expect = self._expect
             self._shared = slot != expect and expect >= 0
             self._expect = (slot + n) & _M32
@@ -641,15 +646,23 @@ class Queue(_Receiving):
             if n > 1:
                 self._ledger.count(1, n - 1)  # _read counted one
             if slot != NO_SLOT:  # numbered by its producer (the feeder's are not)
-                tag = slot & ~_SEQ_MASK
-                expect = self._expects.get(tag, -1)
-                self._shared = slot != expect and expect >= 0
-                self._expects[tag] = tag | ((slot + 1) & _SEQ_MASK)
+                self._numbered(slot)
         if record.tokens:
             self._taken(record, n)
         if _hooks:
             _testhooks.reached("recv.done")
         return obj
+
+    def _numbered(self, slot: int) -> None:
+        """An unbounded queue's record ``slot`` (producer tag | its count) that is not the
+        next of the last one's producer: others take too if that producer's count skipped."""
+        expects, last = self._expects, self._next
+        if last >= 0:  # where the run of the last one's producer got to
+            expects[last & _TAG_MASK] = last
+        tag = slot & _TAG_MASK
+        expect = expects.get(tag, -1)
+        self._shared = slot != expect and expect >= 0
+        self._next = tag | ((slot + 1) & _SEQ_MASK)
 
     def _taken(self, record: Record, n: int) -> None:
         record.close_tokens()
