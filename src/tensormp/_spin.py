@@ -36,9 +36,9 @@ A consumer among several gives the CPU away once before it sleeps
 A blocking ``get`` of a ``Queue`` or ``JoinableQueue`` (with no timeout or one > 0) whose
 previous record showed that other processes take from the same queue (its number did not
 follow the one before: a bounded queue's records carry the ledger's numbers, an unbounded
-queue's each producer's own; ``Queue._load``) first takes a record that is already there; when there is none, it
-gives the CPU away once (``sched_yield``) and looks once more before it sleeps (``after_yield``
-counts the outcome). Where the pipeline itself has more runnable processes than CPUs (one
+queue's each producer's own; ``Queue._load``) first takes a record that is already there;
+when there is none, it gives the CPU away once (``sched_yield``) and looks once more before it
+sleeps (``after_yield`` counts the outcome). Where the pipeline itself has more runnable processes than CPUs (one
 producer and four consumers on 2 CPUs) the thread that runs meanwhile is often the producer,
 whose next record is then there: the consumer takes it without going to sleep, and the
 producer's ``sendmsg`` has nobody to wake (a wake-up preempts the producer, the pipeline's
@@ -68,7 +68,8 @@ import socket
 import time
 from typing import Any
 
-__all__ = ["SPIN_US", "after_yield", "may_yield", "recvmsg", "set_budget_us", "state", "stats"]
+__all__ = ["SPIN_US", "after_yield", "may_yield", "recvmsg", "sched_yield", "set_budget_us",
+           "state", "stats"]
 
 SPIN_US = 100  # the default budget, microseconds
 _MAX_BACKOFF = 8  # at most 2**8 - 1 waits block at once after spins that found nothing

@@ -237,8 +237,8 @@ class _Receiving:
     returned yet (they are returned first, in order; a fork child starts without them)."""
 
     _pending: collections.deque[Any]
-    # A bounded Queue's last record showed other consumers (Queue._load): a blocking get may
-    # give the CPU away once before it sleeps (_spin.py).
+    # A Queue's last record showed other consumers (Queue._load): a blocking get may give
+    # the CPU away once before it sleeps (_spin.py). Never for a SimpleQueue.
     _shared = False
 
     def _read(self, wait: bool) -> Record | None:
