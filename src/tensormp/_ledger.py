@@ -621,10 +621,6 @@ class Ledger:
             tasks.popleft()
         token.close()
 
-    def unfinished(self) -> bool:
-        """Whether a task token exists (the task pipe has a writer)."""
-        return not self._tasks_hup(0)
-
     def wait_all_done(self) -> None:
         """Block until no task token exists: the task pipe's read end reports ``POLLHUP``."""
         while not self._tasks_hup(None):
