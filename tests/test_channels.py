@@ -369,8 +369,8 @@ def _put_range(q, tag, n):
 
 def test_join_with_hundreds_of_unfinished_tasks():
     """Two producers put 400 items each before anyone takes one: every item is a task until
-    its task_done(), however many (each token is a writer of the queue's task pipe, an fd of
-    its taker: 800 stay under the usual fd limit of 1024)."""
+    its task_done(), however many (the taker covers them all with one writer of the queue's
+    task pipe)."""
     ctx = mp.get_context("fork")
     q = ctx.JoinableQueue()
     producers = [ctx.Process(target=_put_range, args=(q, tag, 400)) for tag in range(2)]
@@ -392,6 +392,51 @@ def test_join_with_hundreds_of_unfinished_tasks():
     waiter.join(10)
     q.close()
     q.join_thread()
+
+
+_MANY = 3000  # 4 KiB items: more than the socket takes, so the producer's feeder keeps many
+
+
+def _hold_every_task(q, report):
+    import resource
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    got = [q.get(timeout=30) for _ in range(_MANY)]
+    report.put((sorted(i for i, _ in got) == list(range(_MANY)), len(os.listdir("/proc/self/fd"))))
+    for _ in got:
+        q.task_done()
+
+
+def _many_tasks_at_a_low_fd_limit(report):
+    import resource
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    ctx = mp.get_context("fork")
+    q = ctx.JoinableQueue()
+    for i in range(_MANY):  # nobody takes yet: the feeder's buffer grows
+        q.put((i, bytes(4096)))
+    report.put(("producer fds", len(os.listdir("/proc/self/fd"))))
+    consumer = ctx.Process(target=_hold_every_task, args=(q, report))
+    consumer.start()
+    q.join()
+    consumer.join(30)
+    report.put(("joined", consumer.exitcode))
+
+
+@pytest.mark.timeout(90)
+def test_thousands_of_tasks_buffered_and_held_at_an_fd_limit_of_64():
+    """Every unfinished task of one process is covered by one fd (_ledger.py): a producer whose
+    feeder keeps 3,000 items, and a consumer holding 3,000 items got and not done, both at
+    RLIMIT_NOFILE 64 (before: EMFILE in put(), and a consumer out of fds dropped the item)."""
+    ctx = mp.get_context("fork")
+    report = ctx.SimpleQueue()
+    p = ctx.Process(target=_many_tasks_at_a_low_fd_limit, args=(report,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    what, producer_fds = report.get()
+    assert what == "producer fds" and producer_fds < 40
+    in_order, consumer_fds = report.get()
+    assert in_order and consumer_fds < 40
+    assert report.get() == ("joined", 0)
 
 
 def _sleep_forever():

@@ -44,34 +44,46 @@ read or the consumer sees the waiter: no wake-up is lost. A producer wakes after
 to 250 ms without a ring all the same, to notice the dead.
 
 **Tasks (JoinableQueue).** The queue has a *task pipe* (an anonymous pipe, created with no
-writer; every process holds its read end, nobody ever writes to it). A token is a *writer* of
-that pipe: an open file description opened through ``/proc/self/fd/<read end>`` with
-``O_WRONLY``. The kernel counts a pipe's writers (open descriptions, wherever their fds are)
-and drops one when the last fd of a description is closed, by ``close()`` or by the death of
-the last process holding one; the read end reports ``POLLHUP`` exactly while there is none.
-``put()`` opens a fresh writer and sends its fd *inside the message's record*
-(``SCM_RIGHTS``), then closes its own fd: the kernel holds the token in flight, with the
-message. ``get()`` keeps it until ``task_done()``; a ``put_many`` record of ``k`` items carries
-one token, which its taker keeps until its ``k``-th ``task_done()``. A producer killed before
-its ``sendmsg`` frees its task, a consumer killed after its ``recvmsg`` too (the item counts as
-done). ``join()`` polls the read end until ``POLLHUP``. Each token costs an ``open`` and a
-``close`` (about 2 us together) whatever the number of unfinished tasks: the byte-range locks
-used before cost O(unfinished) each (the kernel walks an inode's lock list on every lock and
-unlock: a ``put`` took 6.6 us with 100 tasks unfinished, 40 us with 4,000).
+writer; every process holds its read end, nobody ever writes to it). A *writer* of that pipe is
+an open file description opened through ``/proc/self/fd/<read end>`` with ``O_WRONLY``. The
+kernel counts a pipe's writers: open descriptions, each alive while any fd of it exists in any
+process or rides in flight in a socket (``SCM_RIGHTS``), dropped when the last such reference is
+closed, by ``close()`` or by the death of the last process holding one; the read end reports
+``POLLHUP`` exactly while there is none. ``join()`` polls the read end until ``POLLHUP``, so the
+rule is: *every unfinished task is covered by some reference to a writer*.
+
+* A process holds at most one writer fd per queue (``_wfd``), open while it has *uses*
+  (messages being put: written now, or waiting in its feeder's buffer) or items it got and has
+  not marked done (``task_items``); it opens one when it needs one and has none (about 1.5 us)
+  and closes it when both counts reach 0. So a process holds one fd for tasks whatever their
+  number (before, one fd per buffered message and per item held: ``EMFILE`` after about a
+  thousand of either with ``ulimit -n 1024``, and a consumer out of fds dropped the item).
+* ``put()`` sends the writer's fd *inside the message's record*: the record in flight holds its
+  own reference, so the producer's fd may close once written.
+* ``get()`` receives a reference with the record: it becomes the process's writer if it holds
+  none, else it is closed at once (the held one covers the item). ``task_done()`` only counts,
+  and closes the writer at the process's last unfinished item (a ``put_many`` record of ``k``
+  items counts ``k``).
+
+A producer killed before its ``sendmsg`` frees its task, a consumer killed after its ``recvmsg``
+too (the item counts as done): its fds close. Costs: an ``open`` per put while the process
+holds no writer, a ``close`` per record got while it holds one (or at its last ``task_done()``),
+whatever the number of unfinished tasks (the byte-range locks used before cost O(unfinished)
+each: a ``put`` took 6.6 us with 100 tasks unfinished, 40 us with 4,000).
 
 **Size of an unbounded queue.** No tokens, no lock: a pair of counters per pid (16 bytes at
 ``16 * pid``; the file is sparse) that only that process writes, one per message put or got;
 ``qsize()`` is the sum of puts minus gets over the pages in use (``SEEK_DATA``). Approximate,
 as the stdlib documents: a process killed between a write and its count leaves it off by one.
 
-Fork: a child inherits every fd of its parent, hence its task tokens and its OFD of ``W`` and
-its row: an ``os.register_at_fork`` hook closes them in the child (the parent's locks stay).
+Fork: a child inherits every fd of its parent, hence its task writer and its OFD of ``W`` and
+its row: an ``os.register_at_fork`` hook closes them in the child (the parent's locks stay), and
+tokens copied into the child end no use there.
 """
 
 from __future__ import annotations
 
 import array
-import collections
 import errno
 import fcntl
 import mmap
@@ -173,35 +185,33 @@ def _inq(sock: socket.socket) -> int:
 
 
 class Token:
-    """One unfinished task of a ``JoinableQueue``: an fd of a writer of the queue's task pipe
-    (see the module notes). Closing its last fd gives the unit back. In a fork child, every
-    token of the parent is closed. ``left``: the ``task_done()`` calls that close it (the
-    items of its record).
+    """One use of this process's task writer of a queue (see the module notes): a message of a
+    ``JoinableQueue`` being put, from ``put()`` until its record is written or abandoned.
+    ``fd``: the writer's fd, to send with the record while the use lasts; :meth:`close` ends
+    the use (once; a token copied into a fork child ends nothing there).
     """
 
-    __slots__ = ("fd", "left")
+    __slots__ = ("fd", "_ledger", "_epoch")
 
-    def __init__(self, fd: int, left: int = 1) -> None:
+    def __init__(self, fd: int, ledger: Ledger, epoch: object) -> None:
         self.fd = fd
-        self.left = left
-        _open[fd] = self
+        self._ledger: Ledger | None = ledger
+        self._epoch = epoch
 
-    def close(self, _close: Any = os.close) -> None:
-        fd, self.fd = self.fd, -1
-        if fd >= 0:
-            if _open is not None:  # None at interpreter shutdown
-                _open.pop(fd, None)
-            _close(fd)
+    def close(self) -> None:
+        ledger, self._ledger = self._ledger, None
+        self.fd = -1
+        if ledger is not None and ledger._epoch is self._epoch:
+            ledger.drop_task()
 
     def __del__(self) -> None:
-        if self.fd >= 0:
+        if self._ledger is not None:
             self.close()
 
     def __repr__(self) -> str:
-        return f"<Token fd={self.fd} left={self.left}>"
+        return f"<Token fd={self.fd}>"
 
 
-_open: dict[int, Token] = {}  # this process's open tokens, by fd
 _ledgers: weakref.WeakSet[Ledger] = weakref.WeakSet()
 
 
@@ -266,9 +276,16 @@ class Ledger:
         self._wlock = threading.Lock()  # the threads of this process, around W
         self._reclaim_due = False
         self._rcvtimeo = 0  # the bell's SO_RCVTIMEO as this process last set it (ms)
-        self.tasks: collections.deque[Token] = collections.deque()
-        self.task_items = 0  # items of those tokens not marked done yet
-        self._tlock = threading.Lock()  # around task_done()'s decrement
+        # Tasks (see the module notes): this process's writer of the task pipe, open while
+        # it has uses (messages being put) or items got and not marked done.
+        wfd = getattr(self, "_wfd", -1)
+        if wfd >= 0:  # the parent's: a fork child holds none of its tasks
+            os.close(wfd)
+        self._wfd = -1
+        self._uses = 0
+        self.task_items = 0  # items this process got and has not marked done yet
+        self._epoch = object()  # this process's: tokens copied into a fork child end nothing
+        self._tlock = threading.Lock()  # around the writer, _uses and task_items
 
     def __getstate__(self) -> tuple[Any, ...]:
         fds = [self._fd] + ([s.fileno() for s in self._bell] if self._bell else [])
@@ -291,10 +308,10 @@ class Ledger:
         fd, self._fd = self._fd, -1
         mine, self._mine = self._mine, -1
         tasks, self._tasks = self._tasks, -1
-        for t in self.tasks:
-            t.close()
-        self.tasks.clear()
+        wfd, self._wfd = self._wfd, -1
         self.task_items = 0
+        if wfd >= 0:  # (no use is left: each token keeps its ledger alive)
+            _close(wfd)
         if self._counts is not None:
             self._view = _NO_VIEW
             self._counts.close()
@@ -586,40 +603,60 @@ class Ledger:
                 pass  # full: enough rings are waiting already
 
     # -- tasks ----------------------------------------------------------------------------------
-    def take_task(self) -> Token:
-        """A task token (an unfinished item of a ``JoinableQueue``): a new writer of the task
-        pipe (see the module notes).
+    def take_task(self) -> int:
+        """Start a use of this process's task writer, for one message being put (see the module
+        notes), and return its fd; opens the writer if this process holds none. End the use
+        with :meth:`drop_task` once the record is written (the kernel holds a reference in
+        flight then) or abandoned, or hand it to a :meth:`token`.
 
         Raises:
             OSError: no fd left in this process (``EMFILE``).
         """
-        return Token(os.open(self._task_path, _TASK_OPEN))
+        with self._tlock:
+            fd = self._wfd
+            if fd < 0:
+                fd = self._wfd = os.open(self._task_path, _TASK_OPEN)
+            self._uses += 1
+        return fd
+
+    def token(self, fd: int) -> Token:
+        """The use that :meth:`take_task` started (its ``fd``) as an object that ends it."""
+        return Token(fd, self, self._epoch)
+
+    def drop_task(self) -> None:
+        """End a use that :meth:`take_task` started."""
+        with self._tlock:
+            self._uses -= 1
+            if self._uses == 0 and self.task_items == 0 and self._wfd >= 0:
+                fd, self._wfd = self._wfd, -1
+                os.close(fd)
 
     def keep_task(self, fd: int, items: int) -> None:
-        """Keep the task token ``fd`` of a record of ``items`` items this process took."""
+        """This process took a record of ``items`` items with the task writer ``fd``: ``fd``
+        becomes this process's writer, or is closed if it holds one already."""
         with self._tlock:
-            self.tasks.append(Token(fd, items))
+            if self._wfd < 0:
+                self._wfd = fd
+            else:
+                os.close(fd)
             self.task_items += items
 
     def task_done(self, not_returned: int = 0) -> None:
-        """One item this process took is done; the oldest token closes at its last item.
-        ``not_returned``: items of those tokens that the queue still keeps for this process's
-        next ``get`` (the rest of a batch): they cannot be done yet.
+        """One item this process took is done; the writer closes at the last one (and no use).
+        ``not_returned``: items this process took that the queue still keeps for its next
+        ``get`` (the rest of a batch): they cannot be done yet.
 
         Raises:
             ValueError: more calls than items taken and returned.
         """
         with self._tlock:  # threads of this process: one decrement at a time
-            tasks = self.tasks
-            if not tasks or self.task_items <= not_returned:
+            items = self.task_items
+            if items <= not_returned:
                 raise ValueError("task_done() called too many times")
-            self.task_items -= 1
-            token = tasks[0]
-            token.left -= 1
-            if token.left > 0:
-                return
-            tasks.popleft()
-        token.close()
+            self.task_items = items - 1
+            if items == 1 and self._uses == 0:  # the last one: no task of ours needs a writer
+                fd, self._wfd = self._wfd, -1
+                os.close(fd)
 
     def wait_all_done(self) -> None:
         """Block until no task token exists: the task pipe's read end reports ``POLLHUP``."""
@@ -722,12 +759,6 @@ class _Counters:
 
 
 def _after_fork_in_child() -> None:
-    for token in list(_open.values()):
-        try:
-            token.close()
-        except OSError:
-            pass
-    _open.clear()
     for ledger in list(_ledgers):
         ledger._new_process()
 

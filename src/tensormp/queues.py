@@ -500,35 +500,14 @@ class Queue(_Receiving):
         tokens: list[Token] = []
         if self._joinable:
             try:
-                tokens.append(ledger.take_task())  # one token for the record's k items
+                task = ledger.take_task()  # a use of our task writer, for the record's k items
             except BaseException:
                 msg.abandon()
                 raise
-        if not self._maxsize:  # a JoinableQueue: the record and its token, as put() does
-            ledger.count(0, k)
-            if _hooks:
-                _testhooks.reached("put.tokens")
-            direct = self._direct
-            if not self._buffer and direct.acquire(False):
-                written = False
-                stamp = (self._stamp + 1) & _SEQ_MASK  # this producer's next (see _load)
-                try:
-                    reducers.flush_release_records()  # holds reach creators before results do
-                    written = self._writer.write_record(
-                        msg.data, msg.fds, [t.fd for t in tokens], self._tag | stamp, False
-                    )
-                except Exception:
-                    pass  # nothing was written: the feeder meets it again and reports it
-                finally:
-                    direct.release()
-                if written:
-                    self._stamp = stamp
-                    for t in tokens:  # the kernel holds them in flight now
-                        t.close()
-                    msg.sent()
-                    return
-            self._enqueue(_Outgoing(msg, tokens, None, k))
-            return
+            if not self._maxsize:  # unbounded: the record and its writer's fd, as put() does
+                self._put_task(msg, k, task)
+                return
+            tokens.append(ledger.token(task))
         try:
             if not ledger.enter(self._reader._sock, block, timeout, k):
                 raise Full
@@ -568,6 +547,36 @@ class Queue(_Receiving):
             ledger.leave()
         if _hooks:
             _testhooks.reached("put.queued")
+
+    def _put_task(self, msg: reducers.Message, k: int, task: int) -> None:
+        """Put a record of ``k`` items on an unbounded ``JoinableQueue``, with the fd ``task``
+        of this process's task writer (a use of it, which this ends or hands on)."""
+        ledger = self._ledger
+        ledger.count(0, k)
+        if _hooks:
+            _testhooks.reached("put.tokens")
+        direct = self._direct
+        if not self._buffer and direct.acquire(False):
+            written = False
+            stamp = (self._stamp + 1) & _SEQ_MASK  # this producer's next (see _load)
+            try:
+                reducers.flush_release_records()  # holds reach creators before results do
+                written = self._writer.write_record(
+                    msg.data, msg.fds, (task,), self._tag | stamp, False
+                )
+            except Exception:
+                pass  # nothing was written: the feeder meets it again and reports it
+            except BaseException:  # (KeyboardInterrupt): written or not, our use ends here
+                ledger.drop_task()
+                raise
+            finally:
+                direct.release()
+            if written:
+                self._stamp = stamp
+                ledger.drop_task()  # the record in flight holds its own reference
+                msg.sent()
+                return
+        self._enqueue(_Outgoing(msg, [ledger.token(task)], None, k))
 
     def _enqueue(self, out: _Outgoing) -> None:
         if self._direct.acquire(False) or (
@@ -857,8 +866,9 @@ class JoinableQueue(Queue):
     """A :class:`Queue` with ``task_done()`` and ``join()``; see
     :class:`multiprocessing.JoinableQueue`.
 
-    Each item carries a task token (``_ledger.py``) from ``put()`` until the process that got
-    it calls ``task_done()``. An item whose taker died first counts as done: ``join()`` never
+    Each item is a task from ``put()`` until the process that got it calls ``task_done()``,
+    covered by a kernel-tracked reference to a writer of the queue's task pipe (one fd per
+    process that has tasks, whatever their number; ``_ledger.py``). An item whose taker died first counts as done: ``join()`` never
     waits for a dead process. ``task_done()`` must be called in the process that got the item
     (the stdlib allows any process).
     """
