@@ -271,7 +271,7 @@ class Ledger:
         self._mine = -1  # our own OFD: row lock for life, W while writing
         self._row = os.getpid()  # our row (our pid's, unless another live process holds it)
         self._path = f"/proc/self/fd/{self._fd}"
-        self._task_path = f"/proc/self/fd/{self._tasks}"
+        self._task_name = str(self._tasks)  # in /proc/self/fd (see _fd_dir)
         self._ci = -1  # index of our "put" counter (2 * pid), once known
         self._wlock = threading.Lock()  # the threads of this process, around W
         self._reclaim_due = False
@@ -615,7 +615,7 @@ class Ledger:
         with self._tlock:
             fd = self._wfd
             if fd < 0:
-                fd = self._wfd = os.open(self._task_path, _TASK_OPEN)
+                fd = self._wfd = os.open(self._task_name, _TASK_OPEN, dir_fd=_fd_dir())
             self._uses += 1
         return fd
 
@@ -758,7 +758,22 @@ class _Counters:
             self._munmap(addr, self._size)
 
 
+_fd_dirs = [-1]  # this process's /proc/self/fd, once opened (O_PATH)
+
+
+def _fd_dir() -> int:
+    """An fd of this process's ``/proc/self/fd``: an ``open`` relative to it walks one name, not
+    four (a task writer: 1.1 us against 1.45)."""
+    fd = _fd_dirs[0]
+    if fd < 0:
+        fd = _fd_dirs[0] = os.open("/proc/self/fd", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    return fd
+
+
 def _after_fork_in_child() -> None:
+    fd, _fd_dirs[0] = _fd_dirs[0], -1
+    if fd >= 0:  # the parent's fd table, not ours
+        os.close(fd)
     for ledger in list(_ledgers):
         ledger._new_process()
 
