@@ -107,6 +107,9 @@ def _stdlib_helpers() -> None:
     allocator._allocator.address()
     release._client_socket(blocking=False)
     release._client_socket(blocking=True)
+    from tensormp import _ledger  # its fd of /proc/self/fd (task writers open through it)
+
+    _ledger._fd_dir()
     _freeze_imports()
 
 
