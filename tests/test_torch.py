@@ -235,6 +235,73 @@ def test_send_moves_the_storage_in_place_and_refuses_growth():
         b.close()
 
 
+def _add_one_to_each(q, done, n):
+    for _ in range(n):
+        x = q.get(timeout=30)
+        x += 1
+    done.put("ok")
+
+
+VIEWS_SCRIPT = """
+import json, sys
+import numpy as np, torch
+import tensormp as mp
+sys.path.insert(0, sys.argv[1])
+from test_torch import _add_one_to_each
+
+if __name__ == "__main__":
+    a = mp.zeros(8, dtype=np.float32)
+    t = torch.from_numpy(a)
+    u = mp.share(torch.zeros(8))  # (tensormp's reducers load: then torch's channels carry both)
+    ctx = torch.multiprocessing.get_context("fork")
+    q, done = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_add_one_to_each, args=(q, done, 2))
+    p.start()
+    q.put(t)
+    q.put(u)
+    done.get(timeout=30)
+    p.join(30)
+    print(json.dumps([p.exitcode, t.data_ptr() == a.ctypes.data, a.tolist(), u.tolist()]))
+"""
+
+
+def test_numpy_and_torch_views_of_one_shared_memory_stay_one(tmp_path):
+    """``torch.from_numpy()`` of a tensormp array and ``.numpy()`` of a tensor in tensormp
+    memory are that shared memory: they cross as handles and every view sees the receiver's
+    writes (before: the tensor was moved into new memory, cut off from its array, and the
+    ``.numpy()`` array crossed as a copy). torch's own channels carry such tensors the same way
+    (in a child interpreter: the stdlib's fd sharer it starts lives as long as its process)."""
+    a = mp.zeros(8, dtype=np.float32)
+    t = torch.from_numpy(a)
+    u = mp.share(torch.zeros(8))
+    w = u.numpy()
+    assert mp.is_shared(t) and t.is_shared() and mp.is_shared(w) and mp.is_shared(w[2:])
+    t.share_memory_()  # already shared: not moved
+    mp.share(t)
+    assert t.data_ptr() == a.ctypes.data
+    assert not mp.is_shared(torch.zeros(3).numpy()) and not mp.is_shared(np.frombuffer(b"abcdefgh"))
+    ctx = mp.get_context("fork")
+    q, done = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_add_one_to_each, args=(q, done, 4))
+    p.start()
+    for x in (t, a, u, w):
+        q.put(x)
+    assert done.get(timeout=30) == "ok"
+    p.join(30)
+    assert p.exitcode == 0
+    assert t.data_ptr() == a.ctypes.data and a.tolist() == [2.0] * 8
+    assert u.tolist() == [2.0] * 8 and w.tolist() == [2.0] * 8
+    q.close()
+    done.close()
+
+    script = tmp_path / "views.py"
+    script.write_text(VIEWS_SCRIPT)
+    res = subprocess.run([sys.executable, str(script), str(Path(__file__).parent)],
+                         capture_output=True, text=True, timeout=50, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == [0, True, [1.0] * 8, [1.0] * 8]
+
+
 def test_non_leaf_tensor_is_refused_in_the_caller():
     q = mp.get_context("spawn").Queue()
     try:

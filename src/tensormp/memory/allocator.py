@@ -58,6 +58,7 @@ __all__ = [
     "allocate",
     "attach",
     "find_block",
+    "root_at",
     "allocate_sent",
     "note_handle",
     "forget_handle",
@@ -154,6 +155,12 @@ def allocate_sent(nbytes: int) -> Block:
     return block
 
 
+# Objects of other array libraries that view memory (a torch tensor is the base of its
+# ``.numpy()``): a function from such an object to the next one to follow towards a root (an
+# array whose base chain reaches it), or None. Set by ``reducers/torch_storage.py``.
+foreign_base: Callable[[object], object | None] | None = None
+
+
 def find_block(obj: object) -> tuple[Block, np.ndarray] | None:
     """The block and root behind a view, or None when ``obj`` is not in tensormp memory."""
     root_blocks = _state.root_blocks
@@ -163,8 +170,28 @@ def find_block(obj: object) -> tuple[Block, np.ndarray] | None:
             return block, obj  # type: ignore[return-value]
         if isinstance(obj, memoryview):
             obj = obj.obj
-        else:  # ndarray.base, and objects such as as_strided's DummyArray that keep a base
-            obj = getattr(obj, "base", None)
+            continue
+        base = getattr(obj, "base", None)  # ndarray.base; as_strided's DummyArray keeps one too
+        if base is None and foreign_base is not None and not isinstance(obj, np.ndarray):
+            base = foreign_base(obj)
+        obj = base
+    return None
+
+
+def root_at(address: int, nbytes: int) -> np.ndarray | None:
+    """The live root of this process whose memory holds ``[address, address + nbytes)``, or
+    None. A scan of this process's blocks: for memory another library wraps without a base
+    chain (``torch.from_numpy`` of a tensormp array), not for the per-array path."""
+    st = _state
+    with st:
+        blocks = list(st.root_blocks.values())
+    for block in blocks:
+        root = block.ref() if block.ref is not None else None
+        if root is None:
+            continue
+        start = root.__array_interface__["data"][0]
+        if start <= address and address + nbytes <= start + root.nbytes:
+            return root
     return None
 
 

@@ -145,6 +145,9 @@ def reduce_storage(storage: Any) -> Any:
     with _ts._lock:
         entry = _entry(storage)
         if entry is None:
+            view = _ts.foreign_view(storage)  # a from_numpy() of a tensormp array
+            if view is not None:
+                return _rebuild_storage, (view,)
             if msg.copy_private and not _orig_is_shared(storage):
                 # A copy for the receiver, as a numpy array's (reducers.copy_private): the
                 # numpy reducer copies these bytes into a block only the receiver views.

@@ -149,6 +149,8 @@ def reduce_storage_stdlib(storage: Any) -> Any:
                     entry.exported = True
                     _ts._cache_put(_ts._view_key(view), storage)  # it may come back: as itself
     if view is None:
+        view = _ts.foreign_view(storage)  # a from_numpy() of a tensormp array
+    if view is None:
         return _previous(storage)
     found = find_block(view)
     if found is None:  # pragma: no cover - a registered view is a view of a block's root

@@ -14,6 +14,15 @@ lives exactly as long as the storage. ``_lock`` guards the registry and the cach
 gets a new lock (the parent's may have been held by another thread) and marks every entry
 exported (the child maps the same memory).
 
+Foreign storages. A storage torch made over memory it did not allocate (``torch.from_numpy``,
+``as_tensor``, ``frombuffer`` of a tensormp array; such storages are not resizable) is not in the
+registry: :func:`foreign_view` finds the block by address (``memory.allocator.root_at``, a scan
+of this process's blocks, done only for non-resizable storages torch did not share). Such a
+storage crosses as a handle of that view, is shared for ``is_shared()``/``share_memory_()``, and
+is never moved (moving it would cut it off from the array it wraps). The other way, an array's
+base chain that ends in a tensor (``t.numpy()``) continues through ``_tensor_base``
+(``memory.allocator.foreign_base``).
+
 Cache. A receiver keeps one storage per shared memory range, keyed by (segment id, block offset,
 byte offset, nbytes), or ("torch-shm", st_dev, st_ino) for memory torch shared: the same storage
 sent twice, or sent back to its sender, arrives as the same storage. Entries are weak
@@ -51,9 +60,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..errors import HandleError
 from ..memory import allocate, find_block
-from ..memory.allocator import held_elsewhere
+from ..memory import allocator as _allocator
+from ..memory.allocator import held_elsewhere, root_at
 
-__all__ = ["in_tensormp_memory", "is_shared_storage", "new_storage", "share_storage"]
+__all__ = [
+    "foreign_view", "in_tensormp_memory", "is_shared_storage", "new_storage", "share_storage",
+]
 
 # -- the registry of storages in tensormp memory ------------------------------------------------
 _lock = threading.RLock()
@@ -105,6 +117,37 @@ def _entry(storage: Any) -> _Entry | None:
     return entry
 
 
+def foreign_view(storage: Any) -> np.ndarray | None:
+    """A ``uint8`` view of the tensormp memory that ``storage`` wraps without being registered
+    (``torch.from_numpy``/``torch.as_tensor``/``torch.frombuffer`` of a tensormp array), or
+    None. Only storages torch neither allocated itself (those are resizable) nor shared are
+    looked up (``memory.allocator.root_at``). Such a storage holds the array it wraps, which
+    holds the block: the block lives as long as the storage, as the registry's do."""
+    if storage.device.type != "cpu" or storage.resizable() or _orig_is_shared(storage):
+        return None
+    n = storage.nbytes()
+    if n == 0:
+        return None
+    ptr = storage.data_ptr()
+    root = root_at(ptr, n)
+    if root is None:
+        return None
+    start = _address(root)
+    return root[ptr - start : ptr - start + n]
+
+
+def _tensor_base(obj: object) -> object | None:
+    """``memory.allocator.foreign_base`` for torch: the tensormp view behind a CPU tensor (the
+    base of its ``.numpy()``), or None."""
+    if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu" or obj.is_sparse:
+        return None
+    storage = obj.untyped_storage()
+    entry = _entry(storage)
+    if entry is not None:
+        return entry.ref()
+    return foreign_view(storage)
+
+
 def in_tensormp_memory(storage: Any) -> bool:
     """True when ``storage`` (an ``UntypedStorage``) lives in tensormp shared memory."""
     return _entry(storage) is not None
@@ -113,7 +156,11 @@ def in_tensormp_memory(storage: Any) -> bool:
 def is_shared_storage(storage: Any) -> bool:
     """True when ``storage`` crosses processes by reference: tensormp memory, memory torch
     shared (``share_memory_()``), or a CUDA storage (as ``torch.UntypedStorage.is_shared``)."""
-    return _entry(storage) is not None or bool(_orig_is_shared(storage))
+    return (
+        _entry(storage) is not None
+        or bool(_orig_is_shared(storage))
+        or foreign_view(storage) is not None
+    )
 
 
 def new_storage(nbytes: int) -> torch.UntypedStorage:
@@ -160,6 +207,8 @@ def share_storage(storage: Any) -> bool:
         return False
     with _lock:
         if _entry(storage) is not None or _orig_is_shared(storage):
+            return False
+        if foreign_view(storage) is not None:  # a from_numpy() of a tensormp array: shared
             return False
         if _CAN_SWAP:
             _move(storage)
@@ -224,21 +273,25 @@ else:  # pragma: no cover - the module was re-imported (importlib.reload)
 
 
 def _is_shared(self: Any) -> bool:
-    return bool(_orig_is_shared(self)) or _entry(self) is not None
+    return bool(_orig_is_shared(self)) or _entry(self) is not None or (
+        foreign_view(self) is not None
+    )
 
 
 def _share_memory_(self: Any, *args: Any, **kwargs: Any) -> Any:
-    if _entry(self) is not None:
+    if _entry(self) is not None or foreign_view(self) is not None:
         return self  # already in (tensormp) shared memory
     return _orig_share_memory(self, *args, **kwargs)
 
 
 def _refuse_torch_move(storage: Any, method: str) -> None:
-    if not _owned or storage.data_ptr() not in _owned:
-        return  # not tensormp memory (no lock: a miss is final, a hit is checked below)
-    with _lock:
-        entry = _entry(storage)
-        view = entry.ref() if entry is not None else None
+    view = None
+    if _owned and storage.data_ptr() in _owned:  # (no lock: a miss is final, a hit is checked)
+        with _lock:
+            entry = _entry(storage)
+            view = entry.ref() if entry is not None else None
+    if view is None:
+        view = foreign_view(storage)
     if view is None:
         return  # not tensormp memory: torch's business
     found = find_block(view)
@@ -319,6 +372,9 @@ def _mark_all_exported() -> None:
     # A forked child inherits every mapping: from now on another process holds this memory.
     for entry in list(_owned.values()):
         entry.exported = True
+
+
+_allocator.foreign_base = _tensor_base
 
 
 def _after_fork_in_child() -> None:
