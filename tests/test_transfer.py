@@ -1155,3 +1155,39 @@ def test_the_sweep_forgets_the_start_time_of_an_exited_holder():
     assert p.pid not in st.start_times
     child_end.close()
     parent_end.close()
+
+
+def _crop_and_view(q, out):
+    img = q.get()  # a copy made for this process alone
+    out.put((img[:10, :10], img[:, 3]))  # small views: they cross as copies
+    out.put(img[: 3 * len(img) // 4])  # most of it: a handle to the block, shared from now on
+    out.put(img[:10, :10])  # the block is shared now: a handle too
+    img[0, 0] = -1.0
+    out.put("written")
+
+
+def test_small_views_of_a_copy_made_for_the_sender_cross_as_copies():
+    """A worker that returns a crop of its input keeps the stdlib's result (a C-contiguous
+    array of the crop's bytes), not a handle that pins the whole input in the receiver; a
+    larger view still crosses as a handle (reducers/numpy.py)."""
+    ctx = mp.get_context("fork")
+    q, out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_crop_and_view, args=(q, out))
+    p.start()
+    img = np.arange(1024 * 1024, dtype=np.float64).reshape(1024, 1024)  # 8 MiB, private
+    q.put(img)
+    crop, column = out.get(timeout=30)
+    assert crop.tolist() == img[:10, :10].tolist() and column.tolist() == img[:, 3].tolist()
+    assert crop.flags.c_contiguous and column.flags.c_contiguous  # as the stdlib's
+    for small in (crop, column):
+        block, _root = mp.memory.find_block(small)
+        assert block.capacity < 1 << 20  # its own block, not the 8 MiB input's
+    most = out.get(timeout=30)
+    again = out.get(timeout=30)
+    assert mp.memory.find_block(most)[0].capacity >= 6 << 20
+    assert out.get(timeout=30) == "written"
+    p.join(30)
+    assert p.exitcode == 0
+    assert most[0, 0] == -1.0 and again[0, 0] == -1.0  # shared with the sender: its write shows
+    q.close()
+    out.close()

@@ -281,7 +281,8 @@ def attach(
     came with the message. Counts the handle (see ``holds.py``); ``announce`` False: the
     creator already knows this process holds it (a ``Process`` argument its parent
     registered); ``keep``: the block is shared memory that its sender may send again, so a new
-    root of a small one is kept a while after its last view dies (``MemoryState.keep_recent``).
+    root of a small one is kept a while after its last view dies (``MemoryState.keep_recent``);
+    else it is a copy the sender made for this process alone (``Block.copy``).
 
     Raises:
         HandleError: the segment cannot be mapped (its fd or file is missing).
@@ -318,10 +319,14 @@ def attach(
         root = ref() if ref is not None else None
         if root is not None and root.nbytes >= capacity:
             block = st.root_blocks[id(root)]
+            if keep:
+                block.copy = False
         else:
             block = Block(seg, offset, capacity, False, pid)
             root = st.make_root(block)
-            if keep and capacity <= RECENT_MAX_BYTES and seg.creator_pid != pid:
+            if not keep:  # a first send's copy: nobody else views it
+                block.copy = True
+            elif capacity <= RECENT_MAX_BYTES and seg.creator_pid != pid:
                 st.keep_recent(root)
         if not block.owned:
             # A hold (holds.py): told lazily (release.py), so a drop before the flush costs

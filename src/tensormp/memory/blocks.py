@@ -62,13 +62,16 @@ class Block:
         holders: who holds the ``remote`` handles (see :data:`Holders`).
         ref: the weakref of the current root in this process.
         local_dead: the death of this process's last root has been processed.
+        copy: (foreign blocks) a copy made for this process alone: received from a first
+            send (the sender kept no view) and not sent on as a handle since; a small view of
+            it crosses as a copy (``reducers/numpy.py``).
         acquired: (owned blocks) tokens of counted acquires whose handle has not come back
             here (``holds.py``); None when there are none.
     """
 
     __slots__ = (
         "segment", "offset", "capacity", "owned", "owner_pid", "remote", "received", "pinned",
-        "holders", "ref", "local_dead", "announced", "acquired",
+        "holders", "ref", "local_dead", "announced", "acquired", "copy",
     )
 
     def __init__(
@@ -87,6 +90,7 @@ class Block:
         self.ref: RootRef | None = None
         self.local_dead = False
         self.acquired: set[int] | None = None
+        self.copy = False
 
     def __repr__(self) -> str:
         live = self.ref is not None and self.ref() is not None
