@@ -20,6 +20,34 @@ def test_every_stdlib_name_is_exported():
     assert set(multiprocessing.__all__) <= set(mp.__all__)
 
 
+def test_stdlib_submodule_names_a_swapped_import_reaches():
+    """``from tensormp import shared_memory`` (and managers, dummy...), ``ThreadPool`` from
+    ``tensormp.pool``, ``wait``/``Listener``/``Client`` from ``tensormp.connection``: the
+    stdlib's own, as a program whose ``multiprocessing`` was replaced by ``tensormp`` asks."""
+    import multiprocessing.connection
+    import multiprocessing.pool
+    from multiprocessing import managers, shared_memory
+
+    from tensormp import managers as tm_managers
+    from tensormp import shared_memory as tm_shared_memory
+    from tensormp.connection import Client, Listener, wait
+    from tensormp.pool import ThreadPool
+
+    assert tm_shared_memory is shared_memory and tm_managers is managers
+    assert ThreadPool is multiprocessing.pool.ThreadPool
+    assert (wait, Listener, Client) == (
+        multiprocessing.connection.wait, multiprocessing.connection.Listener,
+        multiprocessing.connection.Client,
+    )
+    a, b = mp.Pipe()
+    b.send("x")
+    assert wait([a], 5) == [a] and a.recv() == "x"  # it takes tensormp's connections
+    a.close()
+    b.close()
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        mp.connection.nothing  # noqa: B018
+
+
 @pytest.mark.parametrize("method", ["spawn", "fork", "forkserver"])
 def test_contexts_give_tensormp_channels(method):
     ctx = mp.get_context(method)

@@ -637,3 +637,20 @@ def test_task_arguments_are_given_back_exactly_once():
         del shared
         assert pool.apply(_sum_of, (np.ones(10),)) == 10.0
     assert wait_for(lambda: mp.memory_stats()["remote_held_bytes"] == before, 10)
+
+
+def _process_name(_):
+    return multiprocessing.current_process().name
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_workers_are_named_as_the_stdlibs(method):
+    """``ForkPoolWorker-<n>``/``SpawnPoolWorker-<n>`` for a Pool, the Process's own name for the
+    executor (``ForkProcess-<n>``), as the stdlib names them: code may parse them."""
+    kind = method.capitalize()
+    with Pool(1, context=mp.get_context(method)) as pool:
+        name = pool.apply(_process_name, (0,))
+    assert name.startswith(f"{kind}PoolWorker-") and name.split("-")[1].isdigit(), name
+    with mp.ProcessPoolExecutor(1, mp_context=mp.get_context(method)) as ex:
+        name = ex.submit(_process_name, 0).result(30)
+    assert name.startswith(f"{kind}Process-") and name.split("-")[1].isdigit(), name

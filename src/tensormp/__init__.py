@@ -63,6 +63,11 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers
     )
 
 _STDLIB_NAMES = [name for name in _mp.__all__ if name != "get_context"]
+# The stdlib's submodules that tensormp has no module of its own for, as attributes (``from
+# tensormp import shared_memory``; ``import tensormp.managers`` is not supported).
+_STDLIB_MODULES = frozenset(
+    {"shared_memory", "managers", "dummy", "sharedctypes", "heap", "resource_tracker", "util"}
+)
 
 # Every name but the base exceptions (errors.py) is loaded on first use (PEP 562), so that a
 # child imports only what it uses: a spawn child re-imports the main module, and so tensormp,
@@ -105,8 +110,9 @@ def _version() -> str:
 
 def __getattr__(name: str) -> _Any:
     if name == "__version__":
-        value = globals()["__version__"] = _version()
-        return value
+        version = globals()["__version__"] = _version()
+        return version
+    value: _Any
     module = _LAZY.get(name)
     if module is not None:
         import importlib
@@ -116,6 +122,10 @@ def __getattr__(name: str) -> _Any:
         from .context import _default_context
 
         value = getattr(_default_context, name)
+    elif name in _STDLIB_MODULES:  # ``from tensormp import shared_memory``: the stdlib's module
+        import importlib
+
+        value = importlib.import_module(f"multiprocessing.{name}")
     else:
         raise AttributeError(f"module 'tensormp' has no attribute {name!r}")
     globals()[name] = value

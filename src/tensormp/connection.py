@@ -70,6 +70,18 @@ from .memory import fdbudget
 
 __all__ = ["Connection", "Pipe"]
 
+_STDLIB = ("wait", "Listener", "Client")  # the stdlib's, which work with tensormp's Connection
+
+
+def __getattr__(name: str) -> Any:
+    """``wait``, ``Listener`` and ``Client`` of ``multiprocessing.connection`` (``wait`` takes
+    tensormp's connections too: it needs only ``fileno()``)."""
+    if name in _STDLIB:
+        import multiprocessing.connection as _mpc
+
+        return getattr(_mpc, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 HEADER = struct.Struct("<BBHIQI")
 _pack_header = HEADER.pack
 _unpack_header = HEADER.unpack_from

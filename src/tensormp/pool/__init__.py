@@ -123,3 +123,13 @@ __all__ = [
     "WorkerLostError",
     "BrokenPoolError",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``ThreadPool``: the stdlib's (``multiprocessing.pool.ThreadPool``; threads share memory
+    already, so tensormp has nothing to add to it)."""
+    if name == "ThreadPool":
+        from multiprocessing.pool import ThreadPool
+
+        return ThreadPool
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -58,7 +58,6 @@ frees which shared memory, is in the package's design note (``__init__.py``).
 from __future__ import annotations
 
 import collections
-import itertools
 import os
 import select
 import signal
@@ -143,7 +142,6 @@ class Engine(QueueEngine):
         self._min_room = self._room_limit
         self._send_lock = threading.Lock()  # writes to workers' channels (see "Direct send")
         self._direct = self._maxtasks is None
-        self._serial = itertools.count(1)
         self.workers: list[_Worker] = []
         self._startup_failures = 0
         self._last_liveness = time.monotonic()
@@ -299,9 +297,10 @@ class Engine(QueueEngine):
                     self._maxtasks, ours if self.method == "fork" else None, os.getpid(),
                     _RawFd(give_back_fd),
                 ),
-                name=f"TensormpPoolWorker-{next(self._serial)}",
                 daemon=True,
             )
+            if self.owner == "tensormp.Pool":  # named as the stdlib's: ForkPoolWorker-3...
+                process.name = process.name.replace("Process", "PoolWorker")
             process.start()
         except BaseException:
             ours.close()
