@@ -654,3 +654,25 @@ def test_workers_are_named_as_the_stdlibs(method):
     with mp.ProcessPoolExecutor(1, mp_context=mp.get_context(method)) as ex:
         name = ex.submit(_process_name, 0).result(30)
     assert name.startswith(f"{kind}Process-") and name.split("-")[1].isdigit(), name
+
+
+def _register_exit_marker(path):
+    import atexit
+
+    atexit.register(lambda: Path(path, str(os.getpid())).write_text("bye"))
+
+
+def test_spawn_workers_run_atexit_and_end_without_the_module_teardown(tmp_path):
+    """A spawn worker ends as a forked one (context.py): its atexit handlers run, then
+    os._exit; the end of ``with Pool(...)`` does not wait for the interpreter's teardown."""
+    pool = Pool(2, context=mp.get_context("spawn"), initializer=_register_exit_marker,
+                initargs=(str(tmp_path),))
+    pids = set(pool.map(_pid, range(8)))
+    pool.close()
+    pool.join()
+    assert {int(p.name) for p in tmp_path.iterdir()} >= pids
+    assert all(p.read_text() == "bye" for p in tmp_path.iterdir())
+
+
+def _pid(_):
+    return os.getpid()

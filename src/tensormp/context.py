@@ -31,16 +31,17 @@ parent's method exactly as the stdlib's do: ``spawn``/``forkserver`` children ge
 stdlib's preparation data, fork children inherit it, and a process of a concrete context
 (``get_context("spawn").Process``) forces its own method at bootstrap.
 
-The end of a spawn ``DataLoader`` worker
----------------------------------------
+The end of a spawn ``DataLoader`` or pool worker
+-----------------------------------------------
 A spawn child ends with ``sys.exit``: the interpreter tears down every module, which with torch
 loaded takes 0.4 s of CPU per process (1-2 s for a ``DataLoader``'s two workers on a busy
-2-core machine), and the ``DataLoader`` joins its workers at the end of every epoch. A spawn
-child whose target is torch's ``DataLoader`` worker loop (torch's code, not the user's) ends
-as a ``fork`` or ``forkserver`` child of the stdlib does: the stdlib's exit steps
-(``multiprocessing`` finalizers, non-daemon threads joined), then the ``atexit`` handlers,
-stdout and stderr flushed, and ``os._exit``. Only the module teardown is skipped, as in a
-``DataLoader`` worker under torch's default ``fork`` context.
+2-core machine), and the ``DataLoader`` joins its workers at the end of every epoch; a
+``Pool``'s ``terminate()`` (the end of ``with Pool(...)``) waited 0.25 s for it where the stdlib's
+SIGTERM takes 0.01 s. A spawn child whose target is torch's ``DataLoader`` worker loop or
+tensormp's pool worker loop (library code, not the user's) ends as a ``fork`` or
+``forkserver`` child of the stdlib does: the stdlib's exit steps (``multiprocessing``
+finalizers, non-daemon threads joined), then the ``atexit`` handlers, stdout and stderr flushed,
+and ``os._exit``. Only the module teardown is skipped, as in such a worker under ``fork``.
 
 Contexts are named as the stdlib's (:class:`ForkContext`, :class:`SpawnContext`,
 :class:`ForkServerContext`; their processes ``ForkProcess``...). ``tensormp.SpawnContext`` at
@@ -175,20 +176,27 @@ class _ProcessMixin:
             allocator = sys.modules.get("tensormp.memory.allocator")
             if allocator is not None:
                 allocator.process_exiting()
-        if self.__dict__.get("_tensormp_method") == "spawn" and _is_loader_worker(self):
+        if self.__dict__.get("_tensormp_method") == "spawn" and _is_library_worker(self):
             _exit_as_forked(code)
         return code
 
 
-def _is_loader_worker(process: Any) -> bool:
-    """Whether ``process`` runs torch's ``DataLoader`` worker loop (never imports torch)."""
-    worker = sys.modules.get("torch.utils.data._utils.worker")
-    loop = getattr(worker, "_worker_loop", None)
-    return loop is not None and getattr(process, "_target", None) is loop
+def _is_library_worker(process: Any) -> bool:
+    """Whether ``process`` runs torch's ``DataLoader`` worker loop or tensormp's pool worker
+    loop (imports neither)."""
+    target = getattr(process, "_target", None)
+    if target is None:
+        return False
+    for module, name in (("torch.utils.data._utils.worker", "_worker_loop"),
+                         ("tensormp.pool.worker", "_worker_main")):
+        loop = getattr(sys.modules.get(module), name, None)
+        if loop is not None and target is loop:
+            return True
+    return False
 
 
 def _exit_as_forked(code: int) -> None:
-    """End a spawn ``DataLoader`` worker as a forked one ends (see the module notes)."""
+    """End a spawn ``DataLoader`` or pool worker as a forked one ends (see the module notes)."""
     import atexit
 
     atexit._run_exitfuncs()
