@@ -1132,6 +1132,7 @@ def _hold_then_release(conn):
     assert a[0] == 1.0
     del a
     conn.send("released")
+    conn.recv()  # alive until the parent looked (its sweep keeps a live holder's entry)
 
 
 def test_the_sweep_forgets_the_start_time_of_an_exited_holder():
@@ -1147,11 +1148,13 @@ def test_the_sweep_forgets_the_start_time_of_an_exited_holder():
     shared = mp.share(np.ones(100))  # made after the fork: not pinned by it
     parent_end.send(shared)
     assert parent_end.recv() == "released"
-    p.join(30)
     st = allocator._allocator
-    st.server.drain()
-    assert p.pid in st.start_times  # its hold and release were keyed by (pid, start time)
-    st._sweep()
+    assert wait_for(lambda: (st.server.drain(), p.pid in st.start_times)[1], 10.0), (
+        "its hold and release were keyed by (pid, start time)"
+    )
+    parent_end.send("exit")
+    p.join(30)
+    st._sweep()  # (a sweep of the release thread may have come first: the same result)
     assert p.pid not in st.start_times
     child_end.close()
     parent_end.close()
