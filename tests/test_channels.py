@@ -14,6 +14,7 @@ SIGKILLs for a minute, and the loaded soak of issue 27 (``scripts/channel_soak.p
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import queue
@@ -756,3 +757,108 @@ def test_large_payload_memfds_are_reused_only_once_read():
         assert [i for t, i in got if t == tag] == list(range(n))
     r.close()
     w.close()
+
+
+def test_threads_of_one_process_task_done_batches_exactly():
+    """Threads of one process take items of put_many batches and mark each done once: no
+    spurious ValueError (the count of items returned is read under the same lock as it
+    changes), and join() returns."""
+    q = mp.JoinableQueue()
+    n, threads, k = 20000, 4, 8
+    for i in range(0, n, k):
+        q.put_many(list(range(i, i + k)))
+    errors: list[Exception] = []
+
+    def work():
+        for _ in range(n // threads):
+            q.get()  # (every item is there already)
+            try:
+                q.task_done()
+            except ValueError as e:
+                errors.append(e)
+
+    workers = [threading.Thread(target=work) for _ in range(threads)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between any two steps: races show
+    try:
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join(60)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors
+    with pytest.raises(ValueError, match="too many times"):
+        q.task_done()
+    joined = threading.Thread(target=q.join, daemon=True)
+    joined.start()
+    joined.join(10)
+    assert not joined.is_alive()
+    q.close()
+    q.join_thread()
+
+
+def _slow_to_load():
+    time.sleep(0.6)
+    return "slow"
+
+
+class _SlowToLoad:
+    def __reduce__(self):
+        return (_slow_to_load, ())
+
+
+def test_fork_during_another_threads_get_leaves_the_child_no_task():
+    """A fork while another thread is inside get() (between recvmsg and keeping the record's
+    task writer) must not leave that writer in the child: join() would wait for the child."""
+    ctx = mp.get_context("fork")
+    q = ctx.JoinableQueue()
+    q.put(_SlowToLoad())
+    getter = threading.Thread(target=lambda: (q.get(timeout=10), q.task_done()))
+    getter.start()
+    time.sleep(0.2)  # the getter is unpickling the item now
+    child = ctx.Process(target=_sleep_forever)
+    child.start()
+    try:
+        getter.join(10)
+        joined = threading.Thread(target=q.join, daemon=True)
+        joined.start()
+        joined.join(10)
+        assert not joined.is_alive(), "join() waits for a writer the fork child inherited"
+        assert child.is_alive()
+    finally:
+        child.kill()
+        child.join(10)
+    q.close()
+    q.join_thread()
+
+
+def test_a_raw_fork_child_does_not_send_its_parents_buffered_messages():
+    """os.fork() (not a multiprocessing Process) while the feeder buffers: the child's put()
+    sends its own item only; the parent's buffered messages stay the parent's (sent once)."""
+    q = mp.JoinableQueue()
+    n = 0
+    while len(q._buffer) <= 50:  # the socket is full: the feeder keeps the rest
+        q.put(("parent", n, bytes(2000)))
+        n += 1
+        assert n < 100_000
+    pid = os.fork()
+    if pid == 0:
+        try:
+            q.put(("child", 0, b""))
+            q.close()
+            q.join_thread()
+        finally:
+            os._exit(0)
+    got = collections.Counter()
+    while sum(got.values()) < n + 1:
+        item = q.get(timeout=20)
+        got[item[:2]] += 1
+        q.task_done()
+    assert os.waitpid(pid, 0)[1] == 0
+    assert got[("child", 0)] == 1 and all(v == 1 for v in got.values()) and len(got) == n + 1
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.3)
+    q.join()
+    q.close()
+    q.join_thread()

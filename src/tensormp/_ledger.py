@@ -90,6 +90,7 @@ import mmap
 import os
 import select
 import socket
+import stat as _stat
 import struct
 import termios
 import threading
@@ -284,6 +285,7 @@ class Ledger:
         self._wfd = -1
         self._uses = 0
         self.task_items = 0  # items this process got and has not marked done yet
+        self._returned = 0  # of those, the ones get/get_many returned (the rest: a batch's)
         self._epoch = object()  # this process's: tokens copied into a fork child end nothing
         self._tlock = threading.Lock()  # around the writer, _uses and task_items
 
@@ -309,7 +311,7 @@ class Ledger:
         mine, self._mine = self._mine, -1
         tasks, self._tasks = self._tasks, -1
         wfd, self._wfd = self._wfd, -1
-        self.task_items = 0
+        self.task_items = self._returned = 0
         if wfd >= 0:  # (no use is left: each token keeps its ledger alive)
             _close(wfd)
         if self._counts is not None:
@@ -641,18 +643,24 @@ class Ledger:
                 os.close(fd)
             self.task_items += items
 
-    def task_done(self, not_returned: int = 0) -> None:
-        """One item this process took is done; the writer closes at the last one (and no use).
-        ``not_returned``: items this process took that the queue still keeps for its next
-        ``get`` (the rest of a batch): they cannot be done yet.
+    def returned(self, n: int) -> None:
+        """``get``/``get_many`` returned ``n`` items this process took (items of a batch that
+        the queue keeps for a later ``get`` are taken, not returned: they cannot be done)."""
+        with self._tlock:
+            self._returned += n
+
+    def task_done(self) -> None:
+        """One item returned to this process is done; the writer closes at its last unfinished
+        item (if no put needs it).
 
         Raises:
-            ValueError: more calls than items taken and returned.
+            ValueError: more calls than items returned.
         """
-        with self._tlock:  # threads of this process: one decrement at a time
-            items = self.task_items
-            if items <= not_returned:
+        with self._tlock:  # threads of this process: one decrement at a time, in one step
+            if self._returned <= 0:  # with the count (a count read before could be stale)
                 raise ValueError("task_done() called too many times")
+            self._returned -= 1
+            items = self.task_items
             self.task_items = items - 1
             if items == 1 and self._uses == 0:  # the last one: no task of ours needs a writer
                 fd, self._wfd = self._wfd, -1
@@ -770,10 +778,35 @@ def _fd_dir() -> int:
     return fd
 
 
+def _close_task_writers(pipes: set[tuple[int, int]]) -> None:
+    """Close every fd of this process that is a writer of one of the task pipes ``pipes``
+    (``(st_dev, st_ino)``): in a fork child, the parent's writer, and the writers of records
+    that another thread of the parent had received and not yet kept or closed when it forked
+    (a writer the child holds would make ``join()`` wait for the child)."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            st = os.fstat(fd)
+            if not _stat.S_ISFIFO(st.st_mode) or (st.st_dev, st.st_ino) not in pipes:
+                continue
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_WRONLY:
+                os.close(fd)
+        except OSError:  # (the listing's own fd, closed since)
+            continue
+
+
 def _after_fork_in_child() -> None:
     fd, _fd_dirs[0] = _fd_dirs[0], -1
     if fd >= 0:  # the parent's fd table, not ours
         os.close(fd)
+    pipes = set()
+    for ledger in list(_ledgers):
+        if ledger._tasks >= 0:
+            ledger._wfd = -1  # closed with every other writer of the pipe below
+            st = os.fstat(ledger._tasks)
+            pipes.add((st.st_dev, st.st_ino))
+    if pipes:
+        _close_task_writers(pipes)
     for ledger in list(_ledgers):
         ledger._new_process()
 

@@ -373,7 +373,7 @@ class Queue(_Receiving):
         self._opid = os.getpid()
         self._ignore_epipe = False
         self._reset()
-        _mputil.register_after_fork(self, Queue._after_fork)
+        _forked.add(self)
 
     def __getstate__(self) -> tuple[Any, ...]:
         _mpctx.assert_spawning(self)
@@ -382,6 +382,7 @@ class Queue(_Receiving):
     def __setstate__(self, state: tuple[Any, ...]) -> None:
         (self._ignore_epipe, self._maxsize, self._reader, self._writer, self._ledger, self._opid) = state
         self._reset()
+        _forked.add(self)
 
     def _after_fork(self) -> None:
         self._reset(after_fork=True)
@@ -881,6 +882,23 @@ class JoinableQueue(Queue):
         _fdpass_close(record.tokens[1:])
         record.tokens = []
 
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        obj = super().get(block, timeout)
+        self._ledger.returned(1)
+        return obj
+
+    get.__doc__ = Queue.get.__doc__
+
+    def get_many(
+        self, block: bool = True, timeout: float | None = None,
+        max_messages_to_get: int = _MANY,
+    ) -> list[Any]:
+        out = super().get_many(block, timeout, max_messages_to_get)
+        self._ledger.returned(len(out))
+        return out
+
+    get_many.__doc__ = Queue.get_many.__doc__
+
     def task_done(self) -> None:
         """Mark one item this process got as processed (the items of a ``put_many`` count
         one each).
@@ -889,12 +907,26 @@ class JoinableQueue(Queue):
             ValueError: called more times than this process got items (items of a batch it
                 took that no ``get``/``get_many`` returned yet are not got).
         """
-        self._ledger.task_done(len(self._pending))
+        self._ledger.task_done()
 
     def join(self) -> None:
         """Block until every item put has been got and marked done with :meth:`task_done`
         (or its taker died)."""
         self._ledger.wait_all_done()
+
+
+# Queues whose buffer, batch items and threads are the parent's in a fork child: reset at every
+# fork (os.register_at_fork: a raw os.fork() too, which multiprocessing's after-fork hooks never
+# see; a raw-fork child's put() would otherwise send the parent's buffered messages again).
+_forked: weakref.WeakSet[Queue | SimpleQueue] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for q in list(_forked):
+        q._after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _fdpass_close(fds: list[int]) -> None:
@@ -917,7 +949,7 @@ class SimpleQueue(_Receiving):
     def _setup(self) -> None:
         self._poll = self._reader.poll
         self._pending = collections.deque()  # see _Receiving
-        _mputil.register_after_fork(self, SimpleQueue._after_fork)
+        _forked.add(self)
 
     def _after_fork(self) -> None:
         self._pending = collections.deque()  # the parent's items stay the parent's
