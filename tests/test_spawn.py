@@ -290,6 +290,25 @@ def test_raised_exception_has_torch_message_and_traceback():
     assert isinstance(e, mp.ProcessException) and isinstance(e, mp.TensormpError)
 
 
+def test_torchs_exception_classes_catch_tensormps_failures():
+    """Code written for torch.multiprocessing (a library) that catches torch's classes catches
+    tensormp's spawn failures too, once torch is imported; they pickle as tensormp's."""
+    pytest.importorskip("torch.multiprocessing")
+    torch_mp = sys.modules["torch.multiprocessing.spawn"]  # (the package has no ProcessException)
+    for fn, args, torch_cls, ours in (
+        (_raise_on, (1, ValueError, "bad rank"), torch_mp.ProcessRaisedException,
+         mp.ProcessRaisedException),
+        (_exit_on, (1, 3), torch_mp.ProcessExitedException, mp.ProcessExitedException),
+    ):
+        with pytest.raises(torch_cls) as info:
+            mp.spawn(fn, args=args, nprocs=2)
+        e = info.value
+        assert isinstance(e, ours) and isinstance(e, torch_mp.ProcessException)
+        assert type(e).__name__ == ours.__name__ and (e.error_index, e.error_pid) == (1, e.error_pid)
+        back = pickle.loads(pickle.dumps(e))
+        assert type(back) is ours and str(back) == str(e) and back.exit_code == e.exit_code
+
+
 def test_exit_code_is_reported_like_torch():
     with pytest.raises(mp.ProcessExitedException) as info:
         mp.spawn(_exit_on, args=(1, 3), nprocs=2)
@@ -496,7 +515,8 @@ def test_exceptions_pickle_with_their_attributes():
     ]
     for e in samples:
         back = pickle.loads(pickle.dumps(e))
-        assert type(back) is type(e) and str(back) == str(e)
+        public = getattr(mp, type(e).__name__)  # (with torch loaded, e's may be torch_compatible's)
+        assert type(back) is public and isinstance(e, public) and str(back) == str(e)
         for attr in ("error_index", "error_pid", "exit_code", "signal_name", "failures"):
             assert getattr(back, attr) == getattr(e, attr), attr
         assert getattr(back, "__notes__", None) == getattr(e, "__notes__", None)

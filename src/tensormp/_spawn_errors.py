@@ -19,7 +19,7 @@ they did when these classes were defined in ``spawn.py``. This module imports no
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from .errors import TensormpError
 
@@ -116,7 +116,9 @@ class ProcessException(TensormpError, Exception):
         signal_name: str | None = None,
         failures: list[ProcessFailure] | tuple[ProcessFailure, ...] = (),
     ) -> None:
-        super().__init__(msg)
+        # Exception's own (not the next in the MRO: in a torch_compatible() class that is
+        # torch's, whose __init__ takes more arguments).
+        Exception.__init__(self, msg)
         self.msg = msg
         self.error_index = error_index
         self.error_pid = error_pid
@@ -191,6 +193,37 @@ class ProcessExitedException(ProcessException):
             (self.msg, self.error_index, self.error_pid, self.exit_code, self.signal_name),
             self._state(),
         )
+
+
+_twins: dict[type, type] = {}
+
+
+_E = TypeVar("_E", bound="ProcessException")
+
+
+def torch_compatible(cls: type[_E]) -> type[_E]:
+    """``cls`` (:class:`ProcessRaisedException` or :class:`ProcessExitedException`), or, once
+    ``torch.multiprocessing`` is imported, a subclass of it and of torch's class of the same name:
+    code (a library) that catches ``torch.multiprocessing.ProcessRaisedException`` catches
+    tensormp's too. It has the same name, and pickles as ``cls`` (a pickle never names it)."""
+    torch_cls = getattr(sys.modules.get("torch.multiprocessing.spawn"), cls.__name__, None)
+    if not isinstance(torch_cls, type) or not issubclass(torch_cls, BaseException):
+        return cls
+    twin: Any = _twins.get(cls)
+    if twin is None:
+
+        def __reduce__(self: Any) -> Any:
+            return (cls, *cls.__reduce__(self)[1:])
+
+        try:
+            twin = type(cls.__name__, (cls, torch_cls), {
+                "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                "__doc__": cls.__doc__, "__reduce__": __reduce__,
+            })
+        except TypeError:  # a torch whose class cannot be combined with ours: ours alone
+            twin = cls
+        _twins[cls] = twin
+    return twin  # type: ignore[no-any-return]
 
 
 class ProcessTimeoutError(ProcessException, TimeoutError):
@@ -295,13 +328,13 @@ def failure_exception(failures: list[ProcessFailure], notes: list[str]) -> Proce
     msg = _message_with_notes(_torch_message(first), notes)
     error: ProcessException
     if first.exc_type:
-        error = ProcessRaisedException(
+        error = torch_compatible(ProcessRaisedException)(
             msg, first.index, first.pid, exc_type=first.exc_type,
             exc_message=first.exc_message, exit_code=first.exit_code,
             signal_name=first.signal_name, failures=failures,
         )
     else:
-        error = ProcessExitedException(
+        error = torch_compatible(ProcessExitedException)(
             msg, first.index, first.pid, first.exit_code, first.signal_name,
             failures=failures,
         )

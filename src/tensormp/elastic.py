@@ -99,6 +99,7 @@ from ._spawn_errors import (
     ProcessFailure,
     ProcessRaisedException,
     ProcessTimeoutError,
+    torch_compatible,
 )
 from ._spawn_errors import signal_name as _signal_name
 
@@ -319,7 +320,7 @@ def _exception(record: dict[str, Any], seen_from: str = "") -> ProcessException:
     exc: ProcessException
     if kind == "raised":
         msg = f"\n\n-- {where} terminated with the following error:\n{record['traceback']}{note}"
-        exc = ProcessRaisedException(
+        exc = torch_compatible(ProcessRaisedException)(
             msg, rank, pid, exc_type=record["type"], exc_message=record["message"],
             exit_code=code, failures=[failure],
         )
@@ -328,11 +329,11 @@ def _exception(record: dict[str, Any], seen_from: str = "") -> ProcessException:
         exc = ProcessTimeoutError(msg, rank, pid, running=[rank], failures=[failure])
     elif kind == "lost":
         msg = f"{record['message']}; the job was stopped{note}"
-        exc = ProcessExitedException(msg, rank, pid, code, signame, failures=[failure])
+        exc = torch_compatible(ProcessExitedException)(msg, rank, pid, code, signame, failures=[failure])
     else:
         what = f"signal {signame}" if signame else f"exit code {code}"
         msg = f"{where} terminated with {what}{note}"
-        exc = ProcessExitedException(msg, rank, pid, code, signame, failures=[failure])
+        exc = torch_compatible(ProcessExitedException)(msg, rank, pid, code, signame, failures=[failure])
     exc.__dict__.update(node=int(record["node"]), host=str(record["host"]))
     return exc
 
@@ -900,7 +901,7 @@ class _Heartbeat(threading.Thread):
         )
         rank = int(info.get("rank", -1))
         failure = ProcessFailure(rank, 0, -9, "SIGKILL", "NodeLost", msg, "")
-        exc = ProcessExitedException(msg, rank, 0, -9, "SIGKILL", failures=[failure])
+        exc = torch_compatible(ProcessExitedException)(msg, rank, 0, -9, "SIGKILL", failures=[failure])
         exc.__dict__.update(node=node, host=host)
         return exc
 
