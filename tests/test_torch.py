@@ -301,6 +301,18 @@ def test_numpy_and_torch_views_of_one_shared_memory_stay_one(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert json.loads(res.stdout.strip().splitlines()[-1]) == [0, True, [1.0] * 8, [1.0] * 8]
 
+    # A fresh interpreter in which tensormp has handled no tensor yet: the allocation loads
+    # tensormp's torch handling, so torch sees the array's memory as shared at once.
+    cold = (
+        "import numpy as np, torch, tensormp as mp\n"
+        "a = mp.zeros(4, dtype=np.float32); t = torch.from_numpy(a); p = t.data_ptr()\n"
+        "shared = t.is_shared(); t.share_memory_(); t[0] = 9\n"
+        "print(shared, t.data_ptr() == p, float(a[0]))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", cold], capture_output=True, text=True, timeout=50)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["True", "True", "9.0"]
+
 
 def test_non_leaf_tensor_is_refused_in_the_caller():
     q = mp.get_context("spawn").Queue()

@@ -67,7 +67,10 @@ def share(a: Any) -> Any:
             Python objects.
         SharedMemoryError: the memory could not be reserved (an ``OSError``).
     """
-    return _helpers(a, "share").share(a)
+    out = _helpers(a, "share").share(a)
+    if reducers._waiting:  # (see empty)
+        reducers._load_libraries()
+    return out
 
 
 def _shape(shape: ShapeLike) -> tuple[int, ...]:
@@ -111,6 +114,11 @@ def empty(shape: ShapeLike, dtype: DTypeLike = float, order: Order = "C") -> np.
         nbytes *= d
     root = memory.allocate(nbytes)
     out: np.ndarray = np.ndarray(dims, dt, buffer=root, order=order)
+    if reducers._waiting:
+        # torch imported already: its tensormp handling loads now, so that a torch.from_numpy()
+        # of this array is shared for torch too (is_shared(), share_memory_() leaves it)
+        # before tensormp pickles anything.
+        reducers._load_libraries()
     return out
 
 
