@@ -869,9 +869,9 @@ class JoinableQueue(Queue):
 
     Each item is a task from ``put()`` until the process that got it calls ``task_done()``,
     covered by a kernel-tracked reference to a writer of the queue's task pipe (one fd per
-    process that has tasks, whatever their number; ``_ledger.py``). An item whose taker died first counts as done: ``join()`` never
-    waits for a dead process. ``task_done()`` must be called in the process that got the item
-    (the stdlib allows any process).
+    process that has tasks, whatever their number; ``_ledger.py``). An item whose taker died
+    first counts as done: ``join()`` never waits for a dead process. ``task_done()`` must be
+    called in the process that got the item (the stdlib allows any process).
     """
 
     _joinable = True
