@@ -167,7 +167,7 @@ class Pool:
         config = EngineConfig(
             processes=processes, initializer=init, initargs=initargs,
             maxtasks=maxtasksperchild, owner="tensormp.Pool", lost_error=WorkerLostError,
-            broken_error=BrokenPoolError, ctx=ctx,
+            broken_error=BrokenPoolError, ctx=ctx, pool_names=True,
         )
         self._engine = create(
             engine, config,

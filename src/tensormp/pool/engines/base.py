@@ -45,6 +45,9 @@ class EngineConfig:
         lost_error: the exception type of a task whose worker died.
         broken_error: the exception type of a broken or terminated engine.
         ctx: the start-method context (the local engine's; others ignore it).
+        pool_names: name worker processes as the stdlib ``Pool``'s (``ForkPoolWorker-<n>``);
+            else they keep the ``Process``'s own name (``ForkProcess-<n>``, as
+            ``concurrent.futures``'s).
     """
 
     processes: int | None
@@ -55,6 +58,7 @@ class EngineConfig:
     lost_error: type[WorkerLostError]
     broken_error: type[BrokenPoolError]
     ctx: Any = field(default=None)
+    pool_names: bool = False
 
 
 # The end of the message of a task whose worker was lost (every engine's).

@@ -136,6 +136,7 @@ class Engine(QueueEngine):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.ctx = config.ctx
+        self._pool_names = config.pool_names
         self.method = self.ctx.get_start_method()
         # Tasks an imap feeder may queue here: a few per worker, or as many as the workers'
         # queues hold when their tasks are tiny (one feeder wake-up per half of it).
@@ -299,7 +300,7 @@ class Engine(QueueEngine):
                 ),
                 daemon=True,
             )
-            if self.owner == "tensormp.Pool":  # named as the stdlib's: ForkPoolWorker-3...
+            if self._pool_names:  # named as the stdlib Pool's: ForkPoolWorker-3...
                 process.name = process.name.replace("Process", "PoolWorker")
             process.start()
         except BaseException:
