@@ -243,7 +243,9 @@ def arm(name):
     global _kept
     _kept = Mark(name)
     atexit.register(mark, name + "-atexit")
-    print(name, "says hi")  # buffered: the end of the process must flush it
+    # buffered: the end of the process must flush it (one string: the two workers' outputs
+    # may interleave between print's writes otherwise)
+    print(f"{name} says hi")
 
 def init(worker_id):
     arm(f"w{worker_id}")
